@@ -1,0 +1,47 @@
+"""The `sparseguard` command: one sub-command per verb."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+from services.cli import bench, calibration, data, probe
+from services.config import Settings
+
+log = logging.getLogger("sparseguard")
+Handler = Callable[[argparse.Namespace, Settings], int]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sparseguard", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in (data, calibration, probe, bench):
+        module.register(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    settings = Settings()
+    logging.basicConfig(
+        level="DEBUG" if args.verbose else settings.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    handler: Handler = args.handler
+    try:
+        return handler(args, settings)
+    except (ValueError, LookupError, OSError) as exc:
+        log.debug("command failed", exc_info=True)
+        sys.stderr.write(f"sparseguard: error: {exc}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("sparseguard: interrupted\n")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

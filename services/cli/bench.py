@@ -1,0 +1,115 @@
+"""`sparseguard bench quality|engine`: measured figures, printed, never asserted."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import resource
+import statistics
+from typing import Any
+
+import torch
+
+from services.cli.common import emit, emit_json, engine
+from services.config import Settings
+from sparse_engine import corpora
+from sparse_engine.engine import Engine, GenerationRequest
+from sparse_engine.perplexity import perplexity
+from sparse_engine.plan import Level
+
+log = logging.getLogger(__name__)
+BENCH_PROMPT = (
+    "Write a short explanation of how a city water system works, from the reservoir and the "
+    "treatment plant to the pipes under the street and the tap in a kitchen. Mention pressure, "
+    "filtration and what happens to waste water afterwards."
+)
+
+
+def register(commands: Any) -> None:
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="action", required=True)
+    q = bench.add_parser("quality", help="perplexity and sparsity per level on a text")
+    q.add_argument("--data", default="wiki", help="corpus name or text file")
+    q.add_argument("--tokens", type=int, default=2048, help="tokens to score")
+    q.add_argument("--model")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(handler=run_quality)
+    e = bench.add_parser("engine", help="decode/prefill speed, signal cost, peak memory")
+    e.add_argument("--model")
+    e.add_argument("--new-tokens", type=int, default=64)
+    e.add_argument("--repeats", type=int, default=3)
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(handler=run_engine)
+
+
+def run_quality(args: argparse.Namespace, settings: Settings) -> int:
+    eng = engine(settings, args.model)
+    ids = middle_tokens(eng, corpora.load_texts(args.data, settings.home), args.tokens)
+    rows = []
+    dense = None
+    for level in [lv for lv in Level if lv in eng.plans]:
+        result = perplexity(eng.lm.model, eng.lm.layers, ids, eng.plans[level])
+        dense = dense or result.perplexity
+        change = 100.0 * (result.perplexity / dense - 1.0)
+        rows.append({"level": level.value, "sparsity": round(result.sparsity, 4), "perplexity": round(result.perplexity, 3), "perplexity_change_pct": round(change, 2)})
+        log.info("%s done", level.value)
+    if args.json:
+        emit_json({"data": args.data, "tokens": int(ids.numel()), "levels": rows})
+        return 0
+    emit(f"quality on {args.data} ({ids.numel()} tokens from the middle of the corpus, disjoint from calibration)")
+    emit(f"{'level':14}{'sparsity':>10}{'perplexity':>12}{'change':>10}")
+    for r in rows:
+        emit(f"{r['level']:14}{r['sparsity']:>10.3f}{r['perplexity']:>12.3f}{r['perplexity_change_pct']:>+9.2f}%")
+    return 0
+
+
+def middle_tokens(eng: Engine, texts: list[str], count: int) -> torch.Tensor:
+    """Tokens from the middle of the corpus: calibration samples come from its front and
+    held-out text from its back, so the middle is unseen by both."""
+    ids: list[int] = []
+    for text in texts[len(texts) // 2 :] or texts:
+        ids.extend(eng.lm.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if len(ids) >= count:
+            break
+    return torch.tensor(ids[:count])
+
+
+def run_engine(args: argparse.Namespace, settings: Settings) -> int:
+    eng = engine(settings, args.model)
+    rows = [measure(eng, level, args.new_tokens, args.repeats, True) for level in Level if level in eng.plans]
+    if Level.BALANCED in eng.plans:
+        rows.append(measure(eng, Level.BALANCED, args.new_tokens, args.repeats, False))
+    report = {"rows": rows, "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1), "threads": torch.get_num_threads()}
+    on = next((r for r in rows if r["level"] == "balanced" and r["signals"]), None)
+    off = next((r for r in rows if r["level"] == "balanced" and not r["signals"]), None)
+    if on and off:
+        report["signal_cost_ratio"] = round(off["decode_tokens_per_s"] / on["decode_tokens_per_s"], 3)
+    if args.json:
+        emit_json(report)
+        return 0
+    emit(f"engine on {eng.lm.model_id}, batch 1, {report['threads']} threads, {args.new_tokens} new tokens, median of {args.repeats}")
+    emit(f"{'level':14}{'signals':>8}{'decode tok/s':>14}{'prefill tok/s':>15}{'TTFT ms':>9}")
+    for r in rows:
+        emit(f"{r['level']:14}{'on' if r['signals'] else 'off':>8}{r['decode_tokens_per_s']:>14.1f}{r['prefill_tokens_per_s']:>15.1f}{r['ttft_ms']:>9.1f}")
+    if "signal_cost_ratio" in report:
+        emit(f"signal cost (balanced decode time, signals on / off): {report['signal_cost_ratio']:.3f}x")
+    emit(f"peak RSS: {report['peak_rss_mib']} MiB")
+    return 0
+
+
+def measure(eng: Engine, level: Level, new_tokens: int, repeats: int, signals: bool) -> dict[str, Any]:
+    messages = [{"role": "user", "content": BENCH_PROMPT}]
+    # Every level decodes the same number of steps: the end-of-sequence token is ignored.
+    request = GenerationRequest(
+        messages=messages, max_new_tokens=new_tokens, collect_signals=signals, ignore_eos=True
+    )
+    eng.generate(request, level).result()  # warm-up
+    runs = [eng.generate(request, level).result() for _ in range(repeats)]
+    log.info("%s (signals %s): %s tokens", level.value, signals, [r.completion_tokens for r in runs])
+    return {
+        "level": level.value,
+        "signals": signals,
+        "decode_tokens_per_s": round(statistics.median(r.decode_tokens_per_s for r in runs), 2),
+        "prefill_tokens_per_s": round(statistics.median(r.prefill_tokens_per_s for r in runs), 1),
+        "ttft_ms": round(1000 * statistics.median(r.time_to_first_token_s for r in runs), 1),
+        "completion_tokens": runs[-1].completion_tokens,
+    }

@@ -1,0 +1,95 @@
+"""`sparseguard calibrate` and `sparseguard calibrations list|show`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from tqdm import tqdm
+
+from services.cli.common import emit, emit_json, load, store
+from services.config import Settings
+from sparse_engine import corpora
+from sparse_engine.artefacts import Calibration
+from sparse_engine.calibrate import CalibrationConfig, calibrate, prepare_data
+from sparse_engine.plan import SPARSE_LEVELS, Level
+
+log = logging.getLogger(__name__)
+
+
+def register(commands: Any) -> None:
+    cal = commands.add_parser("calibrate", help="calibrate sparsity levels for a model")
+    cal.add_argument("--model", help="model name, HF directory or GGUF file")
+    cal.add_argument("--data", help="corpus name or text file (default: settings)")
+    cal.add_argument("--samples", type=int, help="calibration samples (default: settings)")
+    cal.add_argument("--heldout-tokens", type=int, help="held-out tokens for perplexity")
+    cal.add_argument("--level", action="append", help="level to calibrate (repeatable, or 'all')")
+    cal.add_argument("--sparsifier", choices=["threshold", "topk"], default="threshold")
+    cal.add_argument("--roles", default="down", help="projections to sparsify, e.g. down,o,q,k,v")
+    cal.add_argument("--if-missing", action="store_true", help="skip levels already calibrated")
+    cal.set_defaults(handler=run_calibrate)
+
+    cals = commands.add_parser("calibrations", help="calibration artefacts").add_subparsers(dest="action", required=True)
+    cals.add_parser("list", help="list calibration versions").set_defaults(handler=list_calibrations)
+    show = cals.add_parser("show", help="show one calibration as JSON")
+    show.add_argument("version")
+    show.set_defaults(handler=show_calibration)
+
+
+def run_calibrate(args: argparse.Namespace, settings: Settings) -> int:
+    levels = parse_levels(args.level or [settings.engine.default_level])
+    lm = load(settings, args.model)
+    if args.if_missing:
+        done = {c.level for c in store(settings).list(lm.weights_sha256)}
+        levels = [lv for lv in levels if lv.value not in done]
+        if not levels:
+            log.info("every requested level is already calibrated for %s", lm.model_id)
+            return 0
+    cfg = CalibrationConfig(
+        samples=args.samples or settings.engine.calibration_samples,
+        seq_len=settings.engine.seq_len,
+        heldout_tokens=args.heldout_tokens or settings.engine.heldout_tokens,
+        sparsifier=args.sparsifier,
+        roles=tuple(r.strip() for r in args.roles.split(",") if r.strip()),
+    )
+    name = args.data or settings.engine.calibration_corpus
+    data = prepare_data(lm.tokenizer, corpora.load_texts(name, settings.home), cfg, name)
+    total = sum(b.numel() for b in data.batches)
+    with tqdm(total=total, unit="tok", desc="collecting activation statistics") as bar:
+        results = calibrate(lm, data, levels, cfg, progress=bar.update)
+    for cal in results:
+        store(settings).save(cal)
+        emit(describe(cal))
+    return 0
+
+
+def parse_levels(values: list[str]) -> list[Level]:
+    if "all" in values:
+        return list(SPARSE_LEVELS)
+    levels = [Level.parse(v) for v in values]
+    if Level.DENSE in levels:
+        raise ValueError("the dense level needs no calibration; choose conservative, balanced or aggressive")
+    return levels
+
+
+def describe(cal: Calibration) -> str:
+    return (
+        f"{cal.version}  {cal.level:12} sparsity {cal.realised_sparsity:.3f}  "
+        f"ppl {cal.perplexity_dense:.2f} -> {cal.perplexity_sparse:.2f} "
+        f"({cal.perplexity_change_pct:+.2f}%, budget {cal.budget_pct}%)  data {cal.data.get('corpus')}"
+    )
+
+
+def list_calibrations(args: argparse.Namespace, settings: Settings) -> int:
+    found = store(settings).list()
+    if not found:
+        emit("no calibrations yet; run `sparseguard calibrate --level balanced`")
+    for cal in found:
+        emit(describe(cal))
+    return 0
+
+
+def show_calibration(args: argparse.Namespace, settings: Settings) -> int:
+    emit_json(store(settings).load(args.version).to_dict())
+    return 0

@@ -1,0 +1,39 @@
+"""Helpers shared by the CLI commands: output, progress, loading an engine."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import torch
+
+from services.config import Settings
+from sparse_engine.artefacts import CalibrationStore
+from sparse_engine.engine import Engine
+from sparse_engine.loader import LoadedModel, load_model
+from sparse_engine.models import resolve_model
+
+
+def emit(text: str) -> None:
+    """Command output (results, tables) goes to stdout; diagnostics go to the log."""
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    sys.stdout.flush()
+
+
+def emit_json(value: Any) -> None:
+    emit(json.dumps(value, indent=2, sort_keys=True))
+
+
+def load(settings: Settings, model: str | None) -> LoadedModel:
+    if settings.engine.threads:
+        torch.set_num_threads(settings.engine.threads)
+    return load_model(resolve_model(model or settings.engine.model, settings.home))
+
+
+def store(settings: Settings) -> CalibrationStore:
+    return CalibrationStore(settings.calibrations_dir)
+
+
+def engine(settings: Settings, model: str | None) -> Engine:
+    return Engine.from_store(load(settings, model), store(settings))

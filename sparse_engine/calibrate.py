@@ -1,0 +1,186 @@
+"""Calibration pipeline: data -> activation statistics -> greedy allocation -> the highest
+sparsity within each level's perplexity budget on held-out text -> versioned artefacts."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from sparse_engine.allocation import (
+    AllocationPath,
+    error_curves,
+    greedy_path,
+    thresholds_for,
+    unit_widths,
+)
+from sparse_engine.artefacts import Calibration
+from sparse_engine.loader import LoadedModel
+from sparse_engine.perplexity import PerplexityResult, perplexity
+from sparse_engine.plan import DEFAULT_BUDGETS_PCT, Level, SparsityPlan
+from sparse_engine.stats_collect import ActivationStats, collect_stats, quantile_threshold
+
+log = logging.getLogger(__name__)
+SEARCH_GRID = tuple(i / 40 for i in range(2, 37))  # mean sparsity 0.05 .. 0.90
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationConfig:
+    samples: int = 100
+    seq_len: int = 256
+    min_tokens: int = 32
+    heldout_tokens: int = 2048
+    sparsifier: str = "threshold"
+    roles: tuple[str, ...] = ("down",)
+    budgets_pct: dict[Level, float] = field(default_factory=lambda: dict(DEFAULT_BUDGETS_PCT))
+    silence_quantile: float = 0.5
+    max_rows: int = 256
+
+
+@dataclass(slots=True)
+class CalibrationData:
+    batches: list[torch.Tensor]
+    heldout: torch.Tensor
+    name: str
+
+
+def prepare_data(tokenizer: object, texts: list[str], cfg: CalibrationConfig, name: str) -> CalibrationData:
+    """Calibration samples from the front of `texts`, held-out tokens from the back; the two
+    never share a document."""
+    encode: Callable[[str], list[int]] = lambda t: tokenizer(t, add_special_tokens=False)["input_ids"]  # type: ignore[operator]  # noqa: E731
+    heldout: list[int] = []
+    back = len(texts)
+    while len(heldout) < cfg.heldout_tokens and back > 0:
+        back -= 1
+        heldout = encode(texts[back]) + heldout
+    batches = []
+    for text in texts[:back]:
+        ids = encode(text)[: cfg.seq_len]
+        if len(ids) >= cfg.min_tokens:
+            batches.append(torch.tensor([ids]))
+        if len(batches) == cfg.samples:
+            break
+    if len(batches) < cfg.samples or len(heldout) < cfg.heldout_tokens:
+        raise ValueError(
+            f"corpus '{name}' is too small: {len(batches)} samples of >= {cfg.min_tokens} tokens "
+            f"and {len(heldout)} held-out tokens; lower --samples or use a larger corpus"
+        )
+    return CalibrationData(batches, torch.tensor(heldout[-cfg.heldout_tokens :]), name)
+
+
+class LevelSearch:
+    """Evaluates held-out perplexity along one path of sparser and sparser plans."""
+
+    def __init__(self, lm: LoadedModel, data: CalibrationData, plan_at: Callable[[float], SparsityPlan]) -> None:
+        self.lm, self.data, self.plan_at = lm, data, plan_at
+        self.dense = perplexity(lm.model, lm.layers, data.heldout, SparsityPlan())
+        self.results: dict[float, PerplexityResult] = {}
+        log.info("dense perplexity %.3f on %d held-out tokens", self.dense.perplexity, self.dense.num_tokens)
+
+    def change_pct(self, target: float) -> float:
+        if target not in self.results:
+            self.results[target] = perplexity(self.lm.model, self.lm.layers, self.data.heldout, self.plan_at(target))
+            log.info("target %.3f: sparsity %.3f, perplexity %+.2f%%", target, self.results[target].sparsity, self._pct(target))
+        return self._pct(target)
+
+    def best_within(self, budget_pct: float) -> float:
+        """Largest grid target whose perplexity increase stays within the budget (bisection)."""
+        lo, hi = -1, len(SEARCH_GRID)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.change_pct(SEARCH_GRID[mid]) <= budget_pct:
+                lo = mid
+            else:
+                hi = mid
+        return SEARCH_GRID[lo] if lo >= 0 else 0.0
+
+    def _pct(self, target: float) -> float:
+        return 100.0 * (self.results[target].perplexity / self.dense.perplexity - 1.0)
+
+
+def calibrate(
+    lm: LoadedModel,
+    data: CalibrationData,
+    levels: list[Level],
+    cfg: CalibrationConfig,
+    progress: Callable[[int], None] | None = None,
+) -> list[Calibration]:
+    """One calibration per sparse level, each the sparsest plan within its budget."""
+    started = time.monotonic()
+    roles = tuple(sorted(set(cfg.roles) | {"down"}))
+    stats = collect_stats(lm.model, lm.layers, data.batches, roles, cfg.max_rows, progress=progress)
+    silence = [quantile_threshold(stats.histogram("down", p.index), cfg.silence_quantile) for p in lm.layers]
+    plan_at = _plan_builder(lm, stats, cfg, silence)
+    search = LevelSearch(lm, data, plan_at)
+    calibrations = []
+    for level in levels:
+        budget = cfg.budgets_pct[level]
+        target = search.best_within(budget)
+        plan = plan_at(target)
+        result = search.results.get(target) or perplexity(lm.model, lm.layers, data.heldout, plan)
+        calibrations.append(_artefact(lm, level, cfg, plan, target, result, search.dense, budget, data, stats, silence, started))
+    return calibrations
+
+
+def _plan_builder(
+    lm: LoadedModel, stats: ActivationStats, cfg: CalibrationConfig, silence: list[float]
+) -> Callable[[float], SparsityPlan]:
+    if cfg.sparsifier == "topk":
+        width = int(lm.model.config.hidden_size)
+        return lambda target: SparsityPlan(
+            level=Level.BALANCED,
+            topk=tuple(max(1, round(width * (1 - target))) for _ in lm.layers),
+            silence_thresholds=tuple(silence),
+        )
+    if cfg.sparsifier != "threshold":
+        raise ValueError(f"unknown sparsifier '{cfg.sparsifier}'; choose threshold or topk")
+    path: AllocationPath = greedy_path(
+        error_curves(stats, lm.layers, cfg.roles), unit_widths(lm.layers, cfg.roles)
+    )
+    return lambda target: SparsityPlan(
+        level=Level.BALANCED,
+        thresholds=thresholds_for(stats, path.at(target)),
+        silence_thresholds=tuple(silence),
+    )
+
+
+def _artefact(
+    lm: LoadedModel,
+    level: Level,
+    cfg: CalibrationConfig,
+    plan: SparsityPlan,
+    target: float,
+    result: PerplexityResult,
+    dense: PerplexityResult,
+    budget: float,
+    data: CalibrationData,
+    stats: ActivationStats,
+    silence: list[float],
+    started: float,
+) -> Calibration:
+    return Calibration(
+        model_id=lm.model_id,
+        weights_sha256=lm.weights_sha256,
+        level=level.value,
+        sparsifier=cfg.sparsifier,
+        thresholds={role: list(v) for role, v in plan.thresholds.items()},
+        topk=list(plan.topk) if plan.topk is not None else None,
+        silence_thresholds=silence,
+        target_sparsity=target,
+        realised_sparsity=result.sparsity,
+        perplexity_dense=dense.perplexity,
+        perplexity_sparse=result.perplexity,
+        budget_pct=budget,
+        data={
+            "corpus": data.name,
+            "samples": len(data.batches),
+            "calibration_tokens": stats.num_tokens,
+            "heldout_tokens": int(data.heldout.numel()),
+            "seq_len": cfg.seq_len,
+            "roles": list(cfg.roles),
+        },
+        duration_s=round(time.monotonic() - started, 1),
+    )

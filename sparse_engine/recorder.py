@@ -1,0 +1,97 @@
+"""Accumulates the per-request signals inside the hooks, with vectorised tensor ops only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sparse_engine import signals
+
+
+@dataclass(slots=True)
+class SignalSummary:
+    sparsity_ratio: float
+    sparsity_per_layer: list[float]
+    gate_confidence: float
+    activation_stability_pct: float
+    silence_rate_per_layer: list[float]
+    step_sparsity: list[float]
+    gate_entropy: float
+
+
+class SignalRecorder:
+    """Per-layer running sums, one step per forward call. Call `begin_step` before and
+    `end_step` after each forward; the first step of a request is its prefill."""
+
+    def __init__(self, num_layers: int, silence_min_share: float = 0.95) -> None:
+        self.num_layers = num_layers
+        self.silence_min_share = silence_min_share
+        self.zeros = torch.zeros(num_layers, dtype=torch.float64)
+        self.numel = torch.zeros(num_layers, dtype=torch.float64)
+        self.kept_share_sum = torch.zeros(num_layers, dtype=torch.float64)
+        self.kept_share_tokens = torch.zeros(num_layers, dtype=torch.float64)
+        self.below: list[torch.Tensor | None] = [None] * num_layers
+        self.magnitude: list[torch.Tensor | None] = [None] * num_layers
+        self.silence_tokens = 0
+        self.step_sparsity: list[float] = []
+        self._step_start = (0.0, 0.0)
+
+    def begin_step(self) -> None:
+        self._step_start = (float(self.zeros.sum()), float(self.numel.sum()))
+
+    def end_step(self) -> None:
+        zeros = float(self.zeros.sum()) - self._step_start[0]
+        numel = float(self.numel.sum()) - self._step_start[1]
+        if numel:
+            self.step_sparsity.append(zeros / numel)
+
+    def observe_sparsified(self, layer: int, x: torch.Tensor, kept: torch.Tensor) -> None:
+        """Record one sparsified tensor: `x` the input, `kept` the boolean keep mask."""
+        self.numel[layer] += x.numel()
+        self.zeros[layer] += x.numel() - kept.sum()
+        share = signals.kept_magnitude_share(x.detach(), kept)
+        self.kept_share_sum[layer] += share.sum()
+        self.kept_share_tokens[layer] += share.numel()
+
+    def observe_channels(self, layer: int, x: torch.Tensor, threshold: float) -> None:
+        """Record MLP channel activity (input of the down projection, before sparsity)."""
+        flat = x.detach().abs().reshape(-1, x.shape[-1])
+        below = (flat < threshold).sum(0)
+        magnitude = flat.sum(0, dtype=torch.float64)
+        prev_below, prev_mag = self.below[layer], self.magnitude[layer]
+        self.below[layer] = below if prev_below is None else prev_below + below
+        self.magnitude[layer] = magnitude if prev_mag is None else prev_mag + magnitude
+        if layer == 0:
+            self.silence_tokens += flat.shape[0]
+
+    def summary(self) -> SignalSummary:
+        per_layer = [
+            signals.zeroed_fraction(float(z), float(n))
+            for z, n in zip(self.zeros, self.numel, strict=True)
+        ]
+        sparsified = self.kept_share_tokens > 0
+        confidence = self.kept_share_sum[sparsified] / self.kept_share_tokens[sparsified]
+        decode_steps = self.step_sparsity[1:]
+        return SignalSummary(
+            sparsity_ratio=signals.zeroed_fraction(
+                float(self.zeros.sum()), float(self.numel.sum())
+            ),
+            sparsity_per_layer=per_layer,
+            gate_confidence=float(confidence.mean()) if confidence.numel() else 1.0,
+            activation_stability_pct=signals.coefficient_of_variation_pct(decode_steps),
+            silence_rate_per_layer=self._silence_rates(),
+            step_sparsity=list(self.step_sparsity),
+            gate_entropy=self._gate_entropy(),
+        )
+
+    def _silence_rates(self) -> list[float]:
+        share = self.silence_min_share
+        return [
+            0.0 if below is None else signals.silence_rate(below, self.silence_tokens, share)
+            for below in self.below
+        ]
+
+    def _gate_entropy(self) -> float:
+        values = [signals.normalised_entropy(m) for m in self.magnitude if m is not None]
+        return sum(values) / len(values) if values else 0.0

@@ -1,0 +1,66 @@
+"""The per-request signals as pure tensor functions (definitions from the mission)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import torch
+
+
+def zeroed_fraction(zeros: float, total: float) -> float:
+    """Size-weighted sparsity: zeroed activations over all sparsified activations."""
+    return zeros / total if total else 0.0
+
+
+def kept_magnitude_share(x: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """Per-token share of |activation| the sparsifier kept: sum|kept| / sum|all| (last dim)."""
+    total = x.abs().sum(-1)
+    share = (x.abs() * kept).sum(-1) / total.clamp_min(torch.finfo(x.dtype).tiny)
+    return torch.where(total > 0, share, torch.ones_like(share))
+
+
+def coefficient_of_variation_pct(values: list[float]) -> float:
+    """Standard deviation over mean, in percent; 0 for fewer than two values or a zero mean."""
+    if len(values) < 2:
+        return 0.0
+    mean = sum(values) / len(values)
+    if mean == 0:
+        return 0.0
+    var = sum((v - mean) ** 2 for v in values) / len(values)
+    return 100.0 * math.sqrt(var) / mean
+
+
+def entropy_bits_per_char(text: str) -> float:
+    """Shannon entropy of the character distribution of `text`, in bits per character."""
+    if not text:
+        return 0.0
+    counts = Counter(text)
+    n = len(text)
+    return -sum(c / n * math.log2(c / n) for c in counts.values())
+
+
+def silence_rate(below_counts: torch.Tensor, num_tokens: int, min_share: float) -> float:
+    """Share of channels whose |activation| stayed below the silence threshold on at least
+    `min_share` of the request's tokens."""
+    if num_tokens == 0:
+        return 0.0
+    silent = below_counts.float() >= min_share * num_tokens
+    return float(silent.float().mean())
+
+
+def token_kl(dense_logits: torch.Tensor, sparse_logits: torch.Tensor) -> torch.Tensor:
+    """KL(dense || sparse) per position, in nats, from logits of shape (positions, vocab)."""
+    log_p = torch.log_softmax(dense_logits.float(), dim=-1)
+    log_q = torch.log_softmax(sparse_logits.float(), dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+def normalised_entropy(weights: torch.Tensor) -> float:
+    """Entropy of a non-negative weight vector divided by its maximum, log(n); 1 is uniform."""
+    total = weights.sum()
+    if weights.numel() < 2 or total <= 0:
+        return 0.0
+    p = weights / total
+    h = -(p * torch.log(p.clamp_min(1e-30))).sum()
+    return float(h / math.log(weights.numel()))

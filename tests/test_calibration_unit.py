@@ -1,0 +1,57 @@
+"""The calibration pipeline end to end on a tiny model: data split, level search, artefact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sparse_engine.artefacts import CalibrationNotFoundError, CalibrationStore
+from sparse_engine.calibrate import CalibrationConfig, calibrate, prepare_data
+from sparse_engine.engine import Engine, GenerationRequest
+from sparse_engine.plan import Level
+from tests.tiny import sample_texts, tiny_model
+
+CFG = CalibrationConfig(samples=6, seq_len=96, heldout_tokens=256, max_rows=64)
+
+
+def test_prepare_data_keeps_samples_and_heldout_disjoint() -> None:
+    lm = tiny_model()
+    texts = sample_texts(12)
+    data = prepare_data(lm.tokenizer, texts, CFG, "tiny")
+    assert len(data.batches) == 6 and data.heldout.numel() == 256
+    with pytest.raises(ValueError, match="lower --samples"):
+        prepare_data(lm.tokenizer, texts[:3], CFG, "tiny")
+
+
+def test_calibrate_stays_within_budgets_and_round_trips(tmp_path: Path) -> None:
+    lm = tiny_model()
+    data = prepare_data(lm.tokenizer, sample_texts(12), CFG, "tiny")
+    levels = [Level.CONSERVATIVE, Level.AGGRESSIVE]
+    results = calibrate(lm, data, levels, CFG)
+    store = CalibrationStore(tmp_path)
+    for cal in results:
+        assert cal.perplexity_change_pct <= cal.budget_pct
+        assert len(cal.thresholds["down"]) == lm.num_layers
+        store.save(cal)
+    conservative, aggressive = results
+    assert aggressive.realised_sparsity >= conservative.realised_sparsity
+    loaded = store.load(conservative.version)
+    assert loaded == conservative
+    assert [c.version for c in store.list(lm.weights_sha256)] == sorted(c.version for c in results)
+    engine = Engine.from_store(lm, store)
+    stats = engine.generate(GenerationRequest(prompt="Doc", max_new_tokens=4), Level.AGGRESSIVE).result()
+    assert stats.calibration_version == aggressive.version
+    with pytest.raises(CalibrationNotFoundError):
+        engine.generate(GenerationRequest(prompt="Doc"), Level.BALANCED)
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_topk_calibration_picks_k_within_budget() -> None:
+    lm = tiny_model()
+    cfg = CalibrationConfig(samples=6, seq_len=96, heldout_tokens=256, sparsifier="topk")
+    data = prepare_data(lm.tokenizer, sample_texts(12), cfg, "tiny")
+    (cal,) = calibrate(lm, data, [Level.BALANCED], cfg)
+    assert cal.topk is not None and len(cal.topk) == lm.num_layers
+    assert cal.perplexity_change_pct <= 2.0
+    assert cal.realised_sparsity == pytest.approx(1 - cal.topk[0] / 64, abs=1e-6)

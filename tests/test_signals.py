@@ -1,0 +1,97 @@
+"""Each signal's definition, checked on hand-made tensors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sparse_engine import signals
+from sparse_engine.recorder import SignalRecorder
+
+
+def test_kept_magnitude_share_is_kept_over_total() -> None:
+    x = torch.tensor([[1.0, -2.0, 3.0, -4.0]])
+    kept = torch.tensor([[False, False, True, True]])
+    assert signals.kept_magnitude_share(x, kept).item() == pytest.approx(7 / 10)
+
+
+def test_kept_share_of_all_zero_token_is_one() -> None:
+    x = torch.zeros(1, 3)
+    assert signals.kept_magnitude_share(x, x > 0).item() == 1.0
+
+
+def test_coefficient_of_variation() -> None:
+    assert signals.coefficient_of_variation_pct([0.5, 0.5, 0.5]) == 0.0
+    assert signals.coefficient_of_variation_pct([0.4, 0.6]) == pytest.approx(20.0)
+    assert signals.coefficient_of_variation_pct([0.3]) == 0.0
+
+
+def test_entropy_bits_per_char() -> None:
+    assert signals.entropy_bits_per_char("aaaa") == 0.0
+    assert signals.entropy_bits_per_char("abab") == pytest.approx(1.0)
+    assert signals.entropy_bits_per_char("abcd") == pytest.approx(2.0)
+    assert signals.entropy_bits_per_char("") == 0.0
+
+
+def test_silence_rate_counts_channels_below_on_enough_tokens() -> None:
+    below = torch.tensor([20, 19, 0, 20])  # of 20 tokens
+    assert signals.silence_rate(below, 20, 0.95) == pytest.approx(3 / 4)
+    assert signals.silence_rate(below, 20, 1.0) == pytest.approx(2 / 4)
+
+
+def test_token_kl_zero_for_equal_and_known_value() -> None:
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    assert signals.token_kl(logits, logits).item() == pytest.approx(0.0, abs=1e-7)
+    p = torch.tensor([0.5, 0.5])
+    q = torch.tensor([0.9, 0.1])
+    expected = float((p * (p / q).log()).sum())
+    got = signals.token_kl(p.log().unsqueeze(0), q.log().unsqueeze(0)).item()
+    assert got == pytest.approx(expected, rel=1e-5)
+
+
+def test_normalised_entropy_uniform_is_one_and_peaked_is_low() -> None:
+    assert signals.normalised_entropy(torch.ones(8)) == pytest.approx(1.0)
+    assert signals.normalised_entropy(torch.tensor([1.0, 0, 0, 0])) == pytest.approx(0.0)
+
+
+@given(st.lists(st.floats(0.01, 1.0), min_size=2, max_size=30))
+def test_cv_is_scale_invariant(values: list[float]) -> None:
+    scaled = [3 * v for v in values]
+    assert signals.coefficient_of_variation_pct(scaled) == pytest.approx(
+        signals.coefficient_of_variation_pct(values), rel=1e-6, abs=1e-9
+    )
+
+
+def test_recorder_sparsity_is_size_weighted_and_steps_are_tracked() -> None:
+    rec = SignalRecorder(num_layers=2)
+    rec.begin_step()
+    x = torch.ones(1, 4, 10)
+    rec.observe_sparsified(0, x, torch.arange(10).expand(1, 4, 10) >= 5)  # 50% zeroed, 40 values
+    rec.observe_sparsified(1, torch.ones(1, 4, 30), torch.ones(1, 4, 30, dtype=torch.bool))
+    rec.end_step()
+    for zeros in (2, 4):
+        rec.begin_step()
+        kept = torch.arange(10).expand(1, 1, 10) >= zeros
+        rec.observe_sparsified(0, torch.ones(1, 1, 10), kept)
+        rec.end_step()
+    s = rec.summary()
+    assert s.sparsity_per_layer[0] == pytest.approx((20 + 2 + 4) / 60)
+    assert s.sparsity_per_layer[1] == 0.0
+    assert s.sparsity_ratio == pytest.approx(26 / 180)
+    assert s.step_sparsity == pytest.approx([20 / 160, 0.2, 0.4])
+    # decode steps only: CV of [0.2, 0.4]
+    assert s.activation_stability_pct == pytest.approx(100 * 0.1 / 0.3)
+    assert s.gate_confidence == pytest.approx((0.5 * 4 + 0.8 + 0.6) / 6 / 2 + 0.5)
+
+
+def test_recorder_silence_rate_per_layer() -> None:
+    rec = SignalRecorder(num_layers=1, silence_min_share=0.95)
+    x = torch.tensor([[[0.0, 1.0, 0.001, 5.0]] * 20])
+    x[0, 0, 3] = 0.0  # channel 3 is quiet on 1 of 20 tokens only
+    rec.observe_channels(0, x, threshold=0.01)
+    assert rec.summary().silence_rate_per_layer == [pytest.approx(2 / 4)]
+    assert math.isfinite(rec.summary().gate_entropy)

@@ -1,0 +1,66 @@
+"""Tiny random-init decoders (2 layers, hidden 64) with a byte-level tokenizer, for unit tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from sparse_engine.loader import LoadedModel, wrap
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SPECIALS = ["<eos>"]
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    for special in SPECIALS:
+        vocab[special] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_model(family: str = "llama", seed: int = 0) -> LoadedModel:
+    torch.manual_seed(seed)
+    tokenizer = byte_tokenizer()
+    vocab = len(tokenizer)
+    eos = tokenizer.eos_token_id
+    model: Any
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, eos_token_id=eos, bos_token_id=eos))
+    elif family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, eos_token_id=eos, bos_token_id=eos))
+    elif family == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=512, eos_token_id=eos, bos_token_id=eos))
+    else:
+        raise ValueError(family)
+    return wrap(model, tokenizer, f"tiny-{family}", f"tiny-{family}-{seed}")
+
+
+SAMPLE_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Sparse activations skip work that would "
+    "multiply by zero. Calibration picks thresholds so that a chosen share of inputs is "
+    "zeroed. Held-out text measures what that costs in perplexity. "
+)
+
+
+def sample_texts(n: int = 12) -> list[str]:
+    return [f"Document {i}. " + SAMPLE_TEXT * (1 + i % 3) for i in range(n)]
