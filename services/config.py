@@ -18,7 +18,9 @@ class EngineSettings(BaseModel):
     calibration_samples: int = Field(100, ge=1)
     heldout_tokens: int = Field(2048, ge=64)
     seq_len: int = Field(256, ge=16)
-    threads: int | None = Field(None, ge=1, description="torch intra-op threads; None = torch default")
+    threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads; None = torch default"
+    )
 
 
 class Settings(BaseSettings):
@@ -26,7 +28,7 @@ class Settings(BaseSettings):
 
     home: Path = Field(default_factory=lambda: Path.home() / ".cache" / "sparseguard")
     log_level: str = "INFO"
-    engine: EngineSettings = Field(default_factory=EngineSettings)
+    engine: EngineSettings = Field(default_factory=lambda: EngineSettings())
 
     @property
     def calibrations_dir(self) -> Path:

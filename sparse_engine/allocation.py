@@ -30,7 +30,9 @@ def thresholds_for(
     }
 
 
-def uniform_targets(stats: ActivationStats, roles: tuple[str, ...], target: float) -> dict[Unit, float]:
+def uniform_targets(
+    stats: ActivationStats, roles: tuple[str, ...], target: float
+) -> dict[Unit, float]:
     return {unit: target for unit in stats.units if unit[0] in roles}
 
 
@@ -75,7 +77,9 @@ def greedy_path(curves: dict[Unit, list[float]], widths: dict[Unit, int]) -> All
     last = len(GRID) - 1
     while True:
         candidates = [
-            (curves[u][i + 1] - curves[u][i], n) for n, (u, i) in enumerate(zip(units, index, strict=True)) if i < last
+            (curves[u][i + 1] - curves[u][i], n)
+            for n, (u, i) in enumerate(zip(units, index, strict=True))
+            if i < last
         ]
         if not candidates:
             break

@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -47,10 +48,15 @@ class CalibrationData:
     name: str
 
 
-def prepare_data(tokenizer: object, texts: list[str], cfg: CalibrationConfig, name: str) -> CalibrationData:
+def prepare_data(
+    tokenizer: Any, texts: list[str], cfg: CalibrationConfig, name: str
+) -> CalibrationData:
     """Calibration samples from the front of `texts`, held-out tokens from the back; the two
     never share a document."""
-    encode: Callable[[str], list[int]] = lambda t: tokenizer(t, add_special_tokens=False)["input_ids"]  # type: ignore[operator]  # noqa: E731
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
     heldout: list[int] = []
     back = len(texts)
     while len(heldout) < cfg.heldout_tokens and back > 0:
@@ -74,16 +80,29 @@ def prepare_data(tokenizer: object, texts: list[str], cfg: CalibrationConfig, na
 class LevelSearch:
     """Evaluates held-out perplexity along one path of sparser and sparser plans."""
 
-    def __init__(self, lm: LoadedModel, data: CalibrationData, plan_at: Callable[[float], SparsityPlan]) -> None:
+    def __init__(
+        self, lm: LoadedModel, data: CalibrationData, plan_at: Callable[[float], SparsityPlan]
+    ) -> None:
         self.lm, self.data, self.plan_at = lm, data, plan_at
         self.dense = perplexity(lm.model, lm.layers, data.heldout, SparsityPlan())
         self.results: dict[float, PerplexityResult] = {}
-        log.info("dense perplexity %.3f on %d held-out tokens", self.dense.perplexity, self.dense.num_tokens)
+        log.info(
+            "dense perplexity %.3f on %d held-out tokens",
+            self.dense.perplexity,
+            self.dense.num_tokens,
+        )
 
     def change_pct(self, target: float) -> float:
         if target not in self.results:
-            self.results[target] = perplexity(self.lm.model, self.lm.layers, self.data.heldout, self.plan_at(target))
-            log.info("target %.3f: sparsity %.3f, perplexity %+.2f%%", target, self.results[target].sparsity, self._pct(target))
+            self.results[target] = perplexity(
+                self.lm.model, self.lm.layers, self.data.heldout, self.plan_at(target)
+            )
+            log.info(
+                "target %.3f: sparsity %.3f, perplexity %+.2f%%",
+                target,
+                self.results[target].sparsity,
+                self._pct(target),
+            )
         return self._pct(target)
 
     def best_within(self, budget_pct: float) -> float:
@@ -112,7 +131,10 @@ def calibrate(
     started = time.monotonic()
     roles = tuple(sorted(set(cfg.roles) | {"down"}))
     stats = collect_stats(lm.model, lm.layers, data.batches, roles, cfg.max_rows, progress=progress)
-    silence = [quantile_threshold(stats.histogram("down", p.index), cfg.silence_quantile) for p in lm.layers]
+    silence = [
+        quantile_threshold(stats.histogram("down", p.index), cfg.silence_quantile)
+        for p in lm.layers
+    ]
     plan_at = _plan_builder(lm, stats, cfg, silence)
     search = LevelSearch(lm, data, plan_at)
     calibrations = []
@@ -121,7 +143,22 @@ def calibrate(
         target = search.best_within(budget)
         plan = plan_at(target)
         result = search.results.get(target) or perplexity(lm.model, lm.layers, data.heldout, plan)
-        calibrations.append(_artefact(lm, level, cfg, plan, target, result, search.dense, budget, data, stats, silence, started))
+        calibrations.append(
+            _artefact(
+                lm,
+                level,
+                cfg,
+                plan,
+                target,
+                result,
+                search.dense,
+                budget,
+                data,
+                stats,
+                silence,
+                started,
+            )
+        )
     return calibrations
 
 

@@ -110,7 +110,9 @@ class Engine:
         """Token ids of the prompt (chat template applied to messages) and its plain text."""
         tokenizer = self.lm.tokenizer
         if request.messages is not None:
-            text = tokenizer.apply_chat_template(request.messages, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(
+                request.messages, tokenize=False, add_generation_prompt=True
+            )
             plain = "\n".join(m["content"] for m in request.messages)
         elif request.prompt is not None:
             text = plain = request.prompt
@@ -127,7 +129,9 @@ class Engine:
         generation._deltas = self._stream(generation, request, plan, ids, plain)
         return generation
 
-    def semantic_drift(self, prompt_ids: list[int], generated: list[int], sparse_logits: torch.Tensor) -> float:
+    def semantic_drift(
+        self, prompt_ids: list[int], generated: list[int], sparse_logits: torch.Tensor
+    ) -> float:
         """Mean token-level KL(dense || sparse) over the generated tokens, by teacher-forcing
         the sparse output through the dense model (one forward pass)."""
         if not generated:
@@ -148,11 +152,18 @@ class Engine:
             )
 
     def _stream(
-        self, out: Generation, request: GenerationRequest, plan: SparsityPlan, prompt_ids: list[int], plain: str
+        self,
+        out: Generation,
+        request: GenerationRequest,
+        plan: SparsityPlan,
+        prompt_ids: list[int],
+        plain: str,
     ) -> Iterator[str]:
         recorder = SignalRecorder(self.lm.num_layers) if request.collect_signals else None
         decoder = _TextStream(self.lm.tokenizer, request.stop)
-        generator = torch.Generator().manual_seed(request.seed) if request.seed is not None else None
+        generator = (
+            torch.Generator().manual_seed(request.seed) if request.seed is not None else None
+        )
         eos = _eos_ids(self.lm)
         cache = DynamicCache(config=self.lm.model.config)
         generated: list[int] = []
@@ -186,7 +197,15 @@ class Engine:
         ended = time.perf_counter()
         drift = None
         if request.measure_drift:
-            drift = 0.0 if plan.is_dense else self.semantic_drift(prompt_ids, generated, torch.stack(kept_logits[: len(generated)]) if generated else torch.empty(0))
+            drift = (
+                0.0
+                if plan.is_dense
+                else self.semantic_drift(
+                    prompt_ids,
+                    generated,
+                    torch.stack(kept_logits[: len(generated)]) if generated else torch.empty(0),
+                )
+            )
         out.stats = GenerationStats(
             text=decoder.text,
             level=plan.level.value,
@@ -196,7 +215,9 @@ class Engine:
             finish_reason=finish,
             time_to_first_token_s=first_token_at - started,
             total_s=ended - started,
-            decode_tokens_per_s=(len(generated) - 1) / (ended - first_token_at) if len(generated) > 1 else 0.0,
+            decode_tokens_per_s=(len(generated) - 1) / (ended - first_token_at)
+            if len(generated) > 1
+            else 0.0,
             prefill_tokens_per_s=len(prompt_ids) / max(first_token_at - started, 1e-9),
             input_entropy_bits_per_char=signals.entropy_bits_per_char(plain),
             signals=recorder.summary() if recorder is not None else None,
@@ -204,7 +225,9 @@ class Engine:
             token_ids=generated,
         )
 
-    def _forward(self, ids: torch.Tensor, cache: DynamicCache, recorder: SignalRecorder | None) -> torch.Tensor:
+    def _forward(
+        self, ids: torch.Tensor, cache: DynamicCache, recorder: SignalRecorder | None
+    ) -> torch.Tensor:
         kwargs: dict[str, Any] = {"logits_to_keep": 1} if self._keeps_logits else {}
         if recorder is not None:
             recorder.begin_step()
@@ -249,7 +272,10 @@ class _TextStream:
 
 def _eos_ids(lm: LoadedModel) -> set[int]:
     found: set[int] = set()
-    for value in (lm.tokenizer.eos_token_id, getattr(lm.model.generation_config, "eos_token_id", None)):
+    for value in (
+        lm.tokenizer.eos_token_id,
+        getattr(lm.model.generation_config, "eos_token_id", None),
+    ):
         if isinstance(value, int):
             found.add(value)
         elif isinstance(value, list):

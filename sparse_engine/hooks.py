@@ -50,7 +50,9 @@ def _attach(
     if plan.topk is not None:
         k = plan.topk[part.index]
         for role in ("attn", "mlp"):
-            handles.append(part.get(role).register_forward_hook(_topk_hook(part.index, k, recorder)))
+            handles.append(
+                part.get(role).register_forward_hook(_topk_hook(part.index, k, recorder))
+            )
     return handles
 
 

@@ -8,8 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from sparse_engine.arch import LayerParts, find_layers
 
@@ -18,7 +17,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class LoadedModel:
-    model: nn.Module
+    model: PreTrainedModel
     tokenizer: Any
     layers: list[LayerParts]
     model_id: str
@@ -38,6 +37,6 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> LoadedMod
     return wrap(model, tokenizer, model_dir.name, weights_sha256(model_dir))
 
 
-def wrap(model: nn.Module, tokenizer: Any, model_id: str, sha256: str) -> LoadedModel:
+def wrap(model: PreTrainedModel, tokenizer: Any, model_id: str, sha256: str) -> LoadedModel:
     model.eval()
     return LoadedModel(model, tokenizer, find_layers(model), model_id, sha256)

@@ -40,7 +40,9 @@ def test_calibrate_stays_within_budgets_and_round_trips(tmp_path: Path) -> None:
     assert loaded == conservative
     assert [c.version for c in store.list(lm.weights_sha256)] == sorted(c.version for c in results)
     engine = Engine.from_store(lm, store)
-    stats = engine.generate(GenerationRequest(prompt="Doc", max_new_tokens=4), Level.AGGRESSIVE).result()
+    stats = engine.generate(
+        GenerationRequest(prompt="Doc", max_new_tokens=4), Level.AGGRESSIVE
+    ).result()
     assert stats.calibration_version == aggressive.version
     with pytest.raises(CalibrationNotFoundError):
         engine.generate(GenerationRequest(prompt="Doc"), Level.BALANCED)

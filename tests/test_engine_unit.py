@@ -65,7 +65,10 @@ def test_hooks_leave_no_trace(family: str) -> None:
 def test_realised_sparsity_matches_target_on_calibration_data(
     llama: LoadedModel, llama_stats: ActivationStats, target: float
 ) -> None:
-    plan = SparsityPlan(Level.BALANCED, thresholds_for(llama_stats, uniform_targets(llama_stats, ("down", "o"), target)))
+    plan = SparsityPlan(
+        Level.BALANCED,
+        thresholds_for(llama_stats, uniform_targets(llama_stats, ("down", "o"), target)),
+    )
     recorder = SignalRecorder(llama.num_layers)
     with torch.inference_mode(), sparsified(llama.layers, plan, recorder):
         for ids in batches(llama):
@@ -96,7 +99,10 @@ def test_greedy_path_raises_mean_sparsity_and_prefers_cheap_units(
 
 def test_topk_keeps_k_dims_per_token(llama: LoadedModel) -> None:
     recorder = SignalRecorder(llama.num_layers)
-    with torch.inference_mode(), sparsified(llama.layers, SparsityPlan(Level.BALANCED, topk=(16, 16)), recorder):
+    with (
+        torch.inference_mode(),
+        sparsified(llama.layers, SparsityPlan(Level.BALANCED, topk=(16, 16)), recorder),
+    ):
         llama.model(input_ids=batches(llama, 1)[0])
     summary = recorder.summary()
     assert summary.sparsity_ratio == pytest.approx(1 - 16 / 64)
@@ -107,9 +113,18 @@ def test_topk_keeps_k_dims_per_token(llama: LoadedModel) -> None:
 def test_generate_streams_and_reports_signals(family: str) -> None:
     lm = tiny_model(family)
     stats = collect_stats(lm.model, lm.layers, batches(lm), ("down",))
-    plan = SparsityPlan(Level.BALANCED, thresholds_for(stats, uniform_targets(stats, ("down",), 0.5)), calibration_version="v1")
+    plan = SparsityPlan(
+        Level.BALANCED,
+        thresholds_for(stats, uniform_targets(stats, ("down",), 0.5)),
+        calibration_version="v1",
+    )
     engine = Engine(lm, {Level.BALANCED: plan})
-    request = GenerationRequest(messages=[{"role": "user", "content": "hi"}], max_new_tokens=12, measure_drift=True, ignore_eos=True)
+    request = GenerationRequest(
+        messages=[{"role": "user", "content": "hi"}],
+        max_new_tokens=12,
+        measure_drift=True,
+        ignore_eos=True,
+    )
     generation = engine.generate(request, Level.BALANCED)
     deltas = list(generation)
     stats_out = generation.stats
@@ -129,22 +144,34 @@ def test_dense_greedy_is_deterministic_and_matches_hf_generate(llama: LoadedMode
     assert engine.generate(request).result().token_ids == first.token_ids
     ids = torch.tensor([llama.tokenizer("Hello world", add_special_tokens=False)["input_ids"]])
     with torch.inference_mode():
-        reference = llama.model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)
+        reference = llama.model.generate(  # type: ignore[operator]
+            ids, max_new_tokens=8, do_sample=False, eos_token_id=None
+        )
     assert first.token_ids == reference[0, ids.shape[1] :].tolist()
     assert first.semantic_drift_kl is None
 
 
 def test_sampling_is_reproducible_with_seed(llama: LoadedModel) -> None:
     engine = Engine(llama, {})
-    request = GenerationRequest(prompt="abc", max_new_tokens=10, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
-    assert engine.generate(request).result().token_ids == engine.generate(request).result().token_ids
+    request = GenerationRequest(
+        prompt="abc", max_new_tokens=10, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True
+    )
+    assert (
+        engine.generate(request).result().token_ids == engine.generate(request).result().token_ids
+    )
 
 
 def test_stop_string_ends_generation_without_emitting_it(llama: LoadedModel) -> None:
     engine = Engine(llama, {})
-    free = engine.generate(GenerationRequest(prompt="x", max_new_tokens=10, ignore_eos=True)).result().text
+    free = (
+        engine.generate(GenerationRequest(prompt="x", max_new_tokens=10, ignore_eos=True))
+        .result()
+        .text
+    )
     stop = free[3:5]
-    cut = engine.generate(GenerationRequest(prompt="x", max_new_tokens=10, stop=(stop,), ignore_eos=True)).result()
+    cut = engine.generate(
+        GenerationRequest(prompt="x", max_new_tokens=10, stop=(stop,), ignore_eos=True)
+    ).result()
     assert cut.finish_reason == "stop"
     assert cut.text == free[: free.find(stop)]
 

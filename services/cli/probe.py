@@ -13,11 +13,15 @@ from sparse_engine.artefacts import CalibrationNotFoundError
 from sparse_engine.engine import GenerationRequest, GenerationStats
 from sparse_engine.plan import Level
 
-BUILTIN_SAMPLE = (
-    "Explain in two sentences why the sky looks blue during the day and red at sunset."
-)
+BUILTIN_SAMPLE = "Explain in two sentences why the sky looks blue during the day and red at sunset."
 # A probe task names the domain of the input; the engine prefers a calibration made on it.
-TASK_CORPORA = {"chat": "sharegpt", "wiki": "wiki", "code": "code", "qa": "halueval", "technical": "technical"}
+TASK_CORPORA = {
+    "chat": "sharegpt",
+    "wiki": "wiki",
+    "code": "code",
+    "qa": "halueval",
+    "technical": "technical",
+}
 LATE_BAND = 3
 
 
@@ -26,7 +30,9 @@ def register(commands: Any) -> None:
     p.add_argument("--input", type=Path, help="prompt text file (default: a built-in sample)")
     p.add_argument("--model", help="model name, HF directory or GGUF file")
     p.add_argument("--level", help="dense|conservative|balanced|aggressive (default: settings)")
-    p.add_argument("--task", choices=sorted(TASK_CORPORA), help="input domain; prefers a calibration on it")
+    p.add_argument(
+        "--task", choices=sorted(TASK_CORPORA), help="input domain; prefers a calibration on it"
+    )
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--json", action="store_true", help="one JSON object instead of the text block")
     p.set_defaults(handler=run_probe)
@@ -40,7 +46,11 @@ def run_probe(args: argparse.Namespace, settings: Settings) -> int:
         with contextlib.suppress(CalibrationNotFoundError):
             cal = store(settings).latest(eng.lm.weights_sha256, level, TASK_CORPORA[args.task])
             eng.plans[level] = cal.plan()
-    request = GenerationRequest(messages=[{"role": "user", "content": text}], max_new_tokens=args.max_new_tokens, measure_drift=True)
+    request = GenerationRequest(
+        messages=[{"role": "user", "content": text}],
+        max_new_tokens=args.max_new_tokens,
+        measure_drift=True,
+    )
     stats = eng.generate(request, level).result()
     report = to_report(stats, args.task)
     if args.json:
@@ -91,18 +101,21 @@ def to_report(stats: GenerationStats, task: str | None) -> dict[str, Any]:
 def format_block(r: dict[str, Any]) -> str:
     silence = r["silence_rate_per_layer"]
     peak = max(range(len(silence)), key=silence.__getitem__)
-    return "\n".join([
-        "[IR_SPARSE_STATS]",
-        f"SPARSITY_RATIO: {r['sparsity_ratio']:.4f}",
-        f"ACTIVATION_STABILITY: {r['activation_stability']:.2f}% (CV of per-step sparsity)",
-        f"SEMANTIC_DRIFT: {r['semantic_drift_kl']:.5f} (KL dense||sparse, nats/token)",
-        f"GATE_CONFIDENCE: {r['gate_confidence']:.4f}",
-        f"SILENCE: mean {sum(silence) / len(silence):.3f}, max {silence[peak]:.3f} (layer {peak}), "
-        f"late band {r['silence_late_band']:.3f}",
-        f"LEVEL: {r['level']}" + (f" (task {r['task']})" if r["task"] else ""),
-        f"CALIBRATION: {r['calibration_version'] or 'none (dense)'}",
-        f"INPUT_ENTROPY: {r['input_entropy_bits_per_char']:.3f} bits/char",
-        f"TOKENS: prompt {r['prompt_tokens']}, completion {r['completion_tokens']}; "
-        f"TTFT {r['time_to_first_token_ms']:.0f} ms; decode {r['decode_tokens_per_s']:.1f} tok/s",
-        "[/IR_SPARSE_STATS]",
-    ])
+    return "\n".join(
+        [
+            "[IR_SPARSE_STATS]",
+            f"SPARSITY_RATIO: {r['sparsity_ratio']:.4f}",
+            f"ACTIVATION_STABILITY: {r['activation_stability']:.2f}% (CV of per-step sparsity)",
+            f"SEMANTIC_DRIFT: {r['semantic_drift_kl']:.5f} (KL dense||sparse, nats/token)",
+            f"GATE_CONFIDENCE: {r['gate_confidence']:.4f}",
+            f"SILENCE: mean {sum(silence) / len(silence):.3f}, "
+            f"max {silence[peak]:.3f} (layer {peak}), late band {r['silence_late_band']:.3f}",
+            f"LEVEL: {r['level']}" + (f" (task {r['task']})" if r["task"] else ""),
+            f"CALIBRATION: {r['calibration_version'] or 'none (dense)'}",
+            f"INPUT_ENTROPY: {r['input_entropy_bits_per_char']:.3f} bits/char",
+            f"TOKENS: prompt {r['prompt_tokens']}, completion {r['completion_tokens']}; "
+            f"TTFT {r['time_to_first_token_ms']:.0f} ms; "
+            f"decode {r['decode_tokens_per_s']:.1f} tok/s",
+            "[/IR_SPARSE_STATS]",
+        ]
+    )

