@@ -39,8 +39,10 @@ def uniform_targets(
 def error_curves(
     stats: ActivationStats, layers: list[LayerParts], roles: tuple[str, ...]
 ) -> dict[Unit, list[float]]:
-    """Relative output error ||f(x) - f(x_s)||^2 / ||f(x) - f(0)||^2 of each unit's projection
-    on its reservoir rows, at every sparsity of GRID."""
+    """Output error of each unit's projection on its reservoir rows at every sparsity of GRID,
+    per token and relative to the power of the residual stream it is added into: errors of
+    different layers are then comparable (a layer-relative error is not, and misleads the
+    greedy allocation toward layers with huge outlier activations)."""
     curves = {}
     with torch.inference_mode():
         for part in layers:
@@ -97,7 +99,7 @@ def unit_widths(layers: list[LayerParts], roles: tuple[str, ...]) -> dict[Unit, 
 def _curve(stats: ActivationStats, unit: Unit, module: nn.Module) -> list[float]:
     rows = stats.units[unit].reservoir
     full = module(rows)
-    norm = float((full - module(torch.zeros_like(rows[:1]))).pow(2).sum()) or 1.0
+    norm = float(rows.shape[0])
     curve = []
     for target in GRID:
         threshold = quantile_threshold(stats.histogram(*unit), target)

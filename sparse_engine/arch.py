@@ -48,7 +48,9 @@ class LayerParts:
 def find_layers(model: nn.Module) -> list[LayerParts]:
     """Locate each decoder layer and its role modules."""
     layer_list = _find_layer_list(model)
-    return [LayerParts(i, _find_roles(layer)) for i, layer in enumerate(layer_list)]
+    return [
+        LayerParts(i, {"block": layer, **_find_roles(layer)}) for i, layer in enumerate(layer_list)
+    ]
 
 
 def input_width(module: nn.Module) -> int:

@@ -37,6 +37,7 @@ class Calibration:
     budget_pct: float
     data: dict[str, Any]
     duration_s: float
+    allocation: str = "uniform"
     created_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
     version: str = ""
 

@@ -12,16 +12,17 @@ from typing import Any
 import torch
 
 from sparse_engine.allocation import (
-    AllocationPath,
     error_curves,
     greedy_path,
     thresholds_for,
+    uniform_targets,
     unit_widths,
 )
 from sparse_engine.artefacts import Calibration
 from sparse_engine.loader import LoadedModel
 from sparse_engine.perplexity import PerplexityResult, perplexity
 from sparse_engine.plan import DEFAULT_BUDGETS_PCT, Level, SparsityPlan
+from sparse_engine.sensitivity import scale_curves, unit_sensitivity
 from sparse_engine.stats_collect import ActivationStats, collect_stats, quantile_threshold
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,8 @@ class CalibrationConfig:
     budgets_pct: dict[Level, float] = field(default_factory=lambda: dict(DEFAULT_BUDGETS_PCT))
     silence_quantile: float = 0.5
     max_rows: int = 256
+    sensitivity_batches: int = 4
+    sensitivity_tokens: int = 64
 
 
 @dataclass(slots=True)
@@ -81,24 +84,25 @@ class LevelSearch:
     """Evaluates held-out perplexity along one path of sparser and sparser plans."""
 
     def __init__(
-        self, lm: LoadedModel, data: CalibrationData, plan_at: Callable[[float], SparsityPlan]
+        self,
+        name: str,
+        lm: LoadedModel,
+        data: CalibrationData,
+        dense: PerplexityResult,
+        plan_at: Callable[[float], SparsityPlan],
     ) -> None:
-        self.lm, self.data, self.plan_at = lm, data, plan_at
-        self.dense = perplexity(lm.model, lm.layers, data.heldout, SparsityPlan())
+        self.name, self.lm, self.data, self.dense, self.plan_at = name, lm, data, dense, plan_at
         self.results: dict[float, PerplexityResult] = {}
-        log.info(
-            "dense perplexity %.3f on %d held-out tokens",
-            self.dense.perplexity,
-            self.dense.num_tokens,
-        )
 
     def change_pct(self, target: float) -> float:
         if target not in self.results:
+            plan = self.plan_at(target)
             self.results[target] = perplexity(
-                self.lm.model, self.lm.layers, self.data.heldout, self.plan_at(target)
+                self.lm.model, self.lm.layers, self.data.heldout, plan
             )
             log.info(
-                "target %.3f: sparsity %.3f, perplexity %+.2f%%",
+                "%s allocation, target %.3f: sparsity %.3f, perplexity %+.2f%%",
+                self.name,
                 target,
                 self.results[target].sparsity,
                 self._pct(target),
@@ -127,97 +131,99 @@ def calibrate(
     cfg: CalibrationConfig,
     progress: Callable[[int], None] | None = None,
 ) -> list[Calibration]:
-    """One calibration per sparse level, each the sparsest plan within its budget."""
+    """One calibration per sparse level: the sparsest plan within its budget, over every
+    candidate allocation (uniform, greedy) so that the better one per level wins."""
     started = time.monotonic()
     roles = tuple(sorted(set(cfg.roles) | {"down"}))
     stats = collect_stats(lm.model, lm.layers, data.batches, roles, cfg.max_rows, progress=progress)
-    silence = [
+    silence = tuple(
         quantile_threshold(stats.histogram("down", p.index), cfg.silence_quantile)
         for p in lm.layers
+    )
+    dense = perplexity(lm.model, lm.layers, data.heldout, SparsityPlan())
+    log.info("dense perplexity %.3f on %d held-out tokens", dense.perplexity, dense.num_tokens)
+    searches = [
+        LevelSearch(name, lm, data, dense, plan_at)
+        for name, plan_at in _plan_builders(lm, stats, cfg, silence, data).items()
     ]
-    plan_at = _plan_builder(lm, stats, cfg, silence)
-    search = LevelSearch(lm, data, plan_at)
     calibrations = []
     for level in levels:
         budget = cfg.budgets_pct[level]
-        target = search.best_within(budget)
-        plan = plan_at(target)
+        search, target = _best(searches, budget)
+        plan = search.plan_at(target)
         result = search.results.get(target) or perplexity(lm.model, lm.layers, data.heldout, plan)
-        calibrations.append(
-            _artefact(
-                lm,
-                level,
-                cfg,
-                plan,
-                target,
-                result,
-                search.dense,
-                budget,
-                data,
-                stats,
-                silence,
-                started,
-            )
+        cal = Calibration(
+            model_id=lm.model_id,
+            weights_sha256=lm.weights_sha256,
+            level=level.value,
+            sparsifier=cfg.sparsifier,
+            allocation=search.name,
+            thresholds={role: list(v) for role, v in plan.thresholds.items()},
+            topk=list(plan.topk) if plan.topk is not None else None,
+            silence_thresholds=list(silence),
+            target_sparsity=target,
+            realised_sparsity=result.sparsity,
+            perplexity_dense=dense.perplexity,
+            perplexity_sparse=result.perplexity,
+            budget_pct=budget,
+            data=_data_record(data, stats, cfg),
+            duration_s=round(time.monotonic() - started, 1),
         )
+        calibrations.append(cal)
     return calibrations
 
 
-def _plan_builder(
-    lm: LoadedModel, stats: ActivationStats, cfg: CalibrationConfig, silence: list[float]
-) -> Callable[[float], SparsityPlan]:
+def _best(searches: list[LevelSearch], budget: float) -> tuple[LevelSearch, float]:
+    """The sparsest target within budget over all searches; ties go to lower perplexity."""
+    found = [(s.best_within(budget), s) for s in searches]
+    target, search = max(found, key=lambda f: (f[0], -f[1].change_pct(f[0]) if f[0] else 0.0))
+    return search, target
+
+
+def _plan_builders(
+    lm: LoadedModel,
+    stats: ActivationStats,
+    cfg: CalibrationConfig,
+    silence: tuple[float, ...],
+    data: CalibrationData,
+) -> dict[str, Callable[[float], SparsityPlan]]:
     if cfg.sparsifier == "topk":
         width = int(lm.model.config.hidden_size)
-        return lambda target: SparsityPlan(
-            level=Level.BALANCED,
-            topk=tuple(max(1, round(width * (1 - target))) for _ in lm.layers),
-            silence_thresholds=tuple(silence),
-        )
+        return {
+            "uniform": lambda target: SparsityPlan(
+                topk=tuple(max(1, round(width * (1 - target))) for _ in lm.layers),
+                silence_thresholds=silence,
+            )
+        }
     if cfg.sparsifier != "threshold":
         raise ValueError(f"unknown sparsifier '{cfg.sparsifier}'; choose threshold or topk")
-    path: AllocationPath = greedy_path(
-        error_curves(stats, lm.layers, cfg.roles), unit_widths(lm.layers, cfg.roles)
+    curves = error_curves(stats, lm.layers, cfg.roles)
+    batch = torch.cat(
+        [b[:, : cfg.sensitivity_tokens] for b in data.batches[: cfg.sensitivity_batches]]
     )
-    return lambda target: SparsityPlan(
-        level=Level.BALANCED,
-        thresholds=thresholds_for(stats, path.at(target)),
-        silence_thresholds=tuple(silence),
-    )
+    sensitivity = unit_sensitivity(lm.model, lm.layers, stats, batch, sorted(curves))
+    path = greedy_path(scale_curves(curves, sensitivity), unit_widths(lm.layers, cfg.roles))
+
+    def uniform(target: float) -> SparsityPlan:
+        targets = uniform_targets(stats, cfg.roles, target)
+        return SparsityPlan(thresholds=thresholds_for(stats, targets), silence_thresholds=silence)
+
+    def greedy(target: float) -> SparsityPlan:
+        return SparsityPlan(
+            thresholds=thresholds_for(stats, path.at(target)), silence_thresholds=silence
+        )
+
+    return {"uniform": uniform, "greedy": greedy}
 
 
-def _artefact(
-    lm: LoadedModel,
-    level: Level,
-    cfg: CalibrationConfig,
-    plan: SparsityPlan,
-    target: float,
-    result: PerplexityResult,
-    dense: PerplexityResult,
-    budget: float,
-    data: CalibrationData,
-    stats: ActivationStats,
-    silence: list[float],
-    started: float,
-) -> Calibration:
-    return Calibration(
-        model_id=lm.model_id,
-        weights_sha256=lm.weights_sha256,
-        level=level.value,
-        sparsifier=cfg.sparsifier,
-        thresholds={role: list(v) for role, v in plan.thresholds.items()},
-        topk=list(plan.topk) if plan.topk is not None else None,
-        silence_thresholds=silence,
-        target_sparsity=target,
-        realised_sparsity=result.sparsity,
-        perplexity_dense=dense.perplexity,
-        perplexity_sparse=result.perplexity,
-        budget_pct=budget,
-        data={
-            "corpus": data.name,
-            "samples": len(data.batches),
-            "calibration_tokens": stats.num_tokens,
-            "heldout_tokens": int(data.heldout.numel()),
-            "seq_len": cfg.seq_len,
-            "roles": list(cfg.roles),
-        },
-        duration_s=round(time.monotonic() - started, 1),
-    )
+def _data_record(
+    data: CalibrationData, stats: ActivationStats, cfg: CalibrationConfig
+) -> dict[str, Any]:
+    return {
+        "corpus": data.name,
+        "samples": len(data.batches),
+        "calibration_tokens": stats.num_tokens,
+        "heldout_tokens": int(data.heldout.numel()),
+        "seq_len": cfg.seq_len,
+        "roles": list(cfg.roles),
+    }

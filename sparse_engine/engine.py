@@ -159,7 +159,11 @@ class Engine:
         prompt_ids: list[int],
         plain: str,
     ) -> Iterator[str]:
-        recorder = SignalRecorder(self.lm.num_layers) if request.collect_signals else None
+        recorder = (
+            SignalRecorder(self.lm.num_layers, plan.silence_thresholds)
+            if request.collect_signals
+            else None
+        )
         decoder = _TextStream(self.lm.tokenizer, request.stop)
         generator = (
             torch.Generator().manual_seed(request.seed) if request.seed is not None else None

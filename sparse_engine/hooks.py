@@ -16,8 +16,6 @@ from sparse_engine.arch import LayerParts
 from sparse_engine.plan import SparsityPlan
 from sparse_engine.recorder import SignalRecorder
 
-DEFAULT_SILENCE_THRESHOLD = 1e-2
-
 
 @contextmanager
 def sparsified(
@@ -39,13 +37,10 @@ def _attach(
 ) -> list[RemovableHandle]:
     handles = []
     for role, per_layer in plan.thresholds.items():
-        module = part.get(role)
-        silence = _silence_threshold(plan, part.index) if role == "down" else None
-        hook = _threshold_hook(part.index, per_layer[part.index], recorder, silence)
-        handles.append(module.register_forward_pre_hook(hook))
+        hook = _threshold_hook(part.index, per_layer[part.index], recorder, role == "down")
+        handles.append(part.get(role).register_forward_pre_hook(hook))
     if recorder is not None and "down" not in plan.thresholds:
-        silence = _silence_threshold(plan, part.index)
-        hook = _channel_hook(part.index, recorder, silence)
+        hook = _channel_hook(part.index, recorder)
         handles.append(part.get("down").register_forward_pre_hook(hook))
     if plan.topk is not None:
         k = plan.topk[part.index]
@@ -56,30 +51,24 @@ def _attach(
     return handles
 
 
-def _silence_threshold(plan: SparsityPlan, layer: int) -> float:
-    if plan.silence_thresholds is None:
-        return DEFAULT_SILENCE_THRESHOLD
-    return plan.silence_thresholds[layer]
-
-
 def _threshold_hook(
-    layer: int, threshold: float, recorder: SignalRecorder | None, silence: float | None
+    layer: int, threshold: float, recorder: SignalRecorder | None, is_mlp_input: bool
 ) -> Any:
     def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         x = args[0]
         kept = x.abs() > threshold
         if recorder is not None:
             recorder.observe_sparsified(layer, x, kept)
-            if silence is not None:
-                recorder.observe_channels(layer, x, silence)
+            if is_mlp_input:
+                recorder.observe_channels(layer, x)
         return (x * kept, *args[1:])
 
     return hook
 
 
-def _channel_hook(layer: int, recorder: SignalRecorder, silence: float) -> Any:
+def _channel_hook(layer: int, recorder: SignalRecorder) -> Any:
     def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-        recorder.observe_channels(layer, args[0], silence)
+        recorder.observe_channels(layer, args[0])
 
     return hook
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from sparse_engine import signals
+
+# Used when no calibration gives per-layer silence thresholds (an uncalibrated dense model).
+DEFAULT_SILENCE_THRESHOLD = 1e-2
 
 
 @dataclass(slots=True)
@@ -24,14 +28,15 @@ class SignalRecorder:
     """Per-layer running sums, one step per forward call. Call `begin_step` before and
     `end_step` after each forward; the first step of a request is its prefill."""
 
-    def __init__(self, num_layers: int, silence_min_share: float = 0.95) -> None:
+    def __init__(self, num_layers: int, silence_thresholds: Sequence[float] | None = None) -> None:
         self.num_layers = num_layers
-        self.silence_min_share = silence_min_share
+        self.silence_thresholds = list(
+            silence_thresholds or [DEFAULT_SILENCE_THRESHOLD] * num_layers
+        )
         self.zeros = torch.zeros(num_layers, dtype=torch.float64)
         self.numel = torch.zeros(num_layers, dtype=torch.float64)
         self.kept_share_sum = torch.zeros(num_layers, dtype=torch.float64)
         self.kept_share_tokens = torch.zeros(num_layers, dtype=torch.float64)
-        self.below: list[torch.Tensor | None] = [None] * num_layers
         self.magnitude: list[torch.Tensor | None] = [None] * num_layers
         self.silence_tokens = 0
         self.step_sparsity: list[float] = []
@@ -54,14 +59,12 @@ class SignalRecorder:
         self.kept_share_sum[layer] += share.sum()
         self.kept_share_tokens[layer] += share.numel()
 
-    def observe_channels(self, layer: int, x: torch.Tensor, threshold: float) -> None:
+    def observe_channels(self, layer: int, x: torch.Tensor) -> None:
         """Record MLP channel activity (input of the down projection, before sparsity)."""
         flat = x.detach().abs().reshape(-1, x.shape[-1])
-        below = (flat < threshold).sum(0)
         magnitude = flat.sum(0, dtype=torch.float64)
-        prev_below, prev_mag = self.below[layer], self.magnitude[layer]
-        self.below[layer] = below if prev_below is None else prev_below + below
-        self.magnitude[layer] = magnitude if prev_mag is None else prev_mag + magnitude
+        previous = self.magnitude[layer]
+        self.magnitude[layer] = magnitude if previous is None else previous + magnitude
         if layer == 0:
             self.silence_tokens += flat.shape[0]
 
@@ -86,10 +89,10 @@ class SignalRecorder:
         )
 
     def _silence_rates(self) -> list[float]:
-        share = self.silence_min_share
+        tokens = max(self.silence_tokens, 1)
         return [
-            0.0 if below is None else signals.silence_rate(below, self.silence_tokens, share)
-            for below in self.below
+            0.0 if total is None else signals.silence_rate(total / tokens, threshold)
+            for total, threshold in zip(self.magnitude, self.silence_thresholds, strict=True)
         ]
 
     def _gate_entropy(self) -> float:
