@@ -56,11 +56,12 @@ def _threshold_hook(
 ) -> Any:
     def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         x = args[0]
-        kept = x.abs() > threshold
+        magnitude = x.abs()
+        kept = magnitude > threshold
         if recorder is not None:
-            recorder.observe_sparsified(layer, x, kept)
+            recorder.observe_sparsified(layer, magnitude, kept)
             if is_mlp_input:
-                recorder.observe_channels(layer, x)
+                recorder.observe_channels(layer, magnitude)
         return (x * kept, *args[1:])
 
     return hook
@@ -68,7 +69,7 @@ def _threshold_hook(
 
 def _channel_hook(layer: int, recorder: SignalRecorder) -> Any:
     def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-        recorder.observe_channels(layer, args[0])
+        recorder.observe_channels(layer, args[0].abs())
 
     return hook
 
@@ -76,13 +77,14 @@ def _channel_hook(layer: int, recorder: SignalRecorder) -> Any:
 def _topk_hook(layer: int, k: int, recorder: SignalRecorder | None) -> Any:
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         h = output[0] if isinstance(output, tuple) else output
+        magnitude = h.abs()
         if k >= h.shape[-1]:
             kept = torch.ones_like(h, dtype=torch.bool)
         else:
-            index = h.abs().topk(k, dim=-1).indices
+            index = magnitude.topk(k, dim=-1).indices
             kept = torch.zeros_like(h, dtype=torch.bool).scatter_(-1, index, True)
         if recorder is not None:
-            recorder.observe_sparsified(layer, h, kept)
+            recorder.observe_sparsified(layer, magnitude, kept)
         return (h * kept, *output[1:]) if isinstance(output, tuple) else h * kept
 
     return hook

@@ -51,17 +51,17 @@ class SignalRecorder:
         if numel:
             self.step_sparsity.append(zeros / numel)
 
-    def observe_sparsified(self, layer: int, x: torch.Tensor, kept: torch.Tensor) -> None:
-        """Record one sparsified tensor: `x` the input, `kept` the boolean keep mask."""
-        self.numel[layer] += x.numel()
-        self.zeros[layer] += x.numel() - kept.sum()
-        share = signals.kept_magnitude_share(x.detach(), kept)
+    def observe_sparsified(self, layer: int, magnitude: torch.Tensor, kept: torch.Tensor) -> None:
+        """Record one sparsified tensor: `magnitude` is |input|, `kept` the boolean keep mask."""
+        self.numel[layer] += magnitude.numel()
+        self.zeros[layer] += magnitude.numel() - kept.sum()
+        share = signals.kept_magnitude_share(magnitude, kept)
         self.kept_share_sum[layer] += share.sum()
         self.kept_share_tokens[layer] += share.numel()
 
-    def observe_channels(self, layer: int, x: torch.Tensor) -> None:
-        """Record MLP channel activity (input of the down projection, before sparsity)."""
-        flat = x.detach().abs().reshape(-1, x.shape[-1])
+    def observe_channels(self, layer: int, magnitude: torch.Tensor) -> None:
+        """Record MLP channel activity: |input| of the down projection, before sparsity."""
+        flat = magnitude.reshape(-1, magnitude.shape[-1])
         magnitude = flat.sum(0, dtype=torch.float64)
         previous = self.magnitude[layer]
         self.magnitude[layer] = magnitude if previous is None else previous + magnitude

@@ -13,10 +13,11 @@ def zeroed_fraction(zeros: float, total: float) -> float:
     return zeros / total if total else 0.0
 
 
-def kept_magnitude_share(x: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-    """Per-token share of |activation| the sparsifier kept: sum|kept| / sum|all| (last dim)."""
-    total = x.abs().sum(-1)
-    share = (x.abs() * kept).sum(-1) / total.clamp_min(torch.finfo(x.dtype).tiny)
+def kept_magnitude_share(magnitude: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """Per-token share of |activation| the sparsifier kept: sum|kept| / sum|all| (last dim).
+    `magnitude` is |x|, computed once by the caller."""
+    total = magnitude.sum(-1)
+    share = (magnitude * kept).sum(-1) / total.clamp_min(torch.finfo(magnitude.dtype).tiny)
     return torch.where(total > 0, share, torch.ones_like(share))
 
 
