@@ -29,7 +29,7 @@ bench: $(STAMP)
 	$(SG) model fetch
 	$(SG) calibrate --level all --if-missing
 	$(SG) bench engine
-	$(SG) bench quality --data wiki
+	$(SG) bench quality --data wiki --tokens 8192
 
 fmt: $(STAMP)
 	$(VENV)/bin/ruff format .

@@ -16,7 +16,7 @@ class EngineSettings(BaseModel):
     default_level: str = "balanced"
     calibration_corpus: str = "wiki"
     calibration_samples: int = Field(100, ge=1)
-    heldout_tokens: int = Field(2048, ge=64)
+    heldout_tokens: int = Field(4096, ge=64)
     seq_len: int = Field(256, ge=16)
     threads: int | None = Field(
         None, ge=1, description="torch intra-op threads; None = torch default"

@@ -34,14 +34,13 @@ class CalibrationConfig:
     samples: int = 100
     seq_len: int = 256
     min_tokens: int = 32
-    heldout_tokens: int = 2048
+    heldout_tokens: int = 4096
     sparsifier: str = "threshold"
     roles: tuple[str, ...] = ("down",)
     budgets_pct: dict[Level, float] = field(default_factory=lambda: dict(DEFAULT_BUDGETS_PCT))
     silence_quantile: float = 0.5
     max_rows: int = 256
-    sensitivity_batches: int = 4
-    sensitivity_tokens: int = 64
+    sensitivity_tokens: int = 256
 
 
 @dataclass(slots=True)
@@ -54,12 +53,14 @@ class CalibrationData:
 def prepare_data(
     tokenizer: Any, texts: list[str], cfg: CalibrationConfig, name: str
 ) -> CalibrationData:
-    """Calibration samples from the front of `texts`, held-out tokens from the back; the two
-    never share a document."""
+    """Calibration samples from the front of the shuffled documents, held-out tokens from its
+    back; the two never share a document. Shuffling (seeded) keeps both representative of the
+    whole corpus: a corpus's last documents are often unlike the rest."""
 
     def encode(text: str) -> list[int]:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    texts = shuffled(texts)
     heldout: list[int] = []
     back = len(texts)
     while len(heldout) < cfg.heldout_tokens and back > 0:
@@ -78,6 +79,13 @@ def prepare_data(
             f"and {len(heldout)} held-out tokens; lower --samples or use a larger corpus"
         )
     return CalibrationData(batches, torch.tensor(heldout[-cfg.heldout_tokens :]), name)
+
+
+def shuffled(texts: list[str], seed: int = 0) -> list[str]:
+    """The documents in a fixed pseudo-random order. Calibration takes samples from the front
+    and held-out text from the back; the middle is left for independent evaluation."""
+    order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(seed)).tolist()
+    return [texts[i] for i in order]
 
 
 class LevelSearch:
@@ -198,9 +206,7 @@ def _plan_builders(
     if cfg.sparsifier != "threshold":
         raise ValueError(f"unknown sparsifier '{cfg.sparsifier}'; choose threshold or topk")
     curves = error_curves(stats, lm.layers, cfg.roles)
-    batch = torch.cat(
-        [b[:, : cfg.sensitivity_tokens] for b in data.batches[: cfg.sensitivity_batches]]
-    )
+    batch = torch.cat([b[0] for b in data.batches])[: cfg.sensitivity_tokens].unsqueeze(0)
     sensitivity = unit_sensitivity(lm.model, lm.layers, stats, batch, sorted(curves))
     path = greedy_path(scale_curves(curves, sensitivity), unit_widths(lm.layers, cfg.roles))
 

@@ -13,6 +13,7 @@ import torch
 from services.cli.common import emit, emit_json, engine
 from services.config import Settings
 from sparse_engine import corpora
+from sparse_engine.calibrate import shuffled
 from sparse_engine.engine import Engine, GenerationRequest
 from sparse_engine.perplexity import perplexity
 from sparse_engine.plan import Level
@@ -74,9 +75,10 @@ def run_quality(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def middle_tokens(eng: Engine, texts: list[str], count: int) -> torch.Tensor:
-    """Tokens from the middle of the corpus: calibration samples come from its front and
-    held-out text from its back, so the middle is unseen by both."""
+    """Tokens from the middle of the corpus in calibration's document order: calibration
+    samples come from its front and held-out text from its back, so the middle is unseen."""
     ids: list[int] = []
+    texts = shuffled(texts)
     for text in texts[len(texts) // 2 :] or texts:
         ids.extend(eng.lm.tokenizer(text, add_special_tokens=False)["input_ids"])
         if len(ids) >= count:
