@@ -1,11 +1,12 @@
 """The one settings object every SparseGuard process is built from (env prefix SPARSEGUARD_,
-nested sections with `__`, e.g. SPARSEGUARD_ENGINE__MODEL)."""
+nested sections with `__`, e.g. SPARSEGUARD_ENGINE__MODEL, SPARSEGUARD_GATEWAY__PORT)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from sparse_engine.models import DEFAULT_MODEL
@@ -18,9 +19,39 @@ class EngineSettings(BaseModel):
     calibration_samples: int = Field(100, ge=1)
     heldout_tokens: int = Field(4096, ge=64)
     seq_len: int = Field(256, ge=16)
-    threads: int | None = Field(
-        None, ge=1, description="torch intra-op threads; None = torch default"
-    )
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads")
+    drift_sample_rate: float = Field(0.1, ge=0.0, le=1.0, description="share of requests with KL")
+    prefix_cache_entries: int = Field(32, ge=0)
+
+
+class GatewaySettings(BaseModel):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    mode: Literal["serve", "proxy"] = "serve"
+    upstream_url: str | None = None
+    upstream_api_key: SecretStr | None = None
+    upstream_model: str | None = None
+    upstream_timeout_s: float = Field(60.0, gt=0)
+    queue_size: int = Field(16, ge=1)
+    request_timeout_s: float = Field(120.0, gt=0)
+    max_body_bytes: int = Field(1_000_000, ge=1024)
+    max_tokens_limit: int = Field(4096, ge=1)
+    raise_zero_temperature: bool = True
+    # sha256 hex digests of accepted API keys; empty means no authentication.
+    api_key_hashes: list[str] = Field(default_factory=list)
+    admin_key_hashes: list[str] = Field(default_factory=list)
+
+
+class TelemetrySettings(BaseModel):
+    enabled: bool = True
+    bootstrap_servers: str = "127.0.0.1:9092"
+    topic: str = "sparseguard.telemetry"
+    control_topic: str = "sparseguard.control"
+    dead_letter_topic: str = "sparseguard.dead-letter"
+    partitions: int = Field(4, ge=1)
+    spool_dir: Path | None = None  # default: <home>/spool
+    spool_max_bytes: int = Field(256 * 1024 * 1024, ge=1024)
+    client_id: str = "sparseguard-gateway"
 
 
 class Settings(BaseSettings):
@@ -29,7 +60,13 @@ class Settings(BaseSettings):
     home: Path = Field(default_factory=lambda: Path.home() / ".cache" / "sparseguard")
     log_level: str = "INFO"
     engine: EngineSettings = Field(default_factory=lambda: EngineSettings())
+    gateway: GatewaySettings = Field(default_factory=lambda: GatewaySettings())
+    telemetry: TelemetrySettings = Field(default_factory=lambda: TelemetrySettings())
 
     @property
     def calibrations_dir(self) -> Path:
         return self.home / "calibrations"
+
+    @property
+    def spool_dir(self) -> Path:
+        return self.telemetry.spool_dir or self.home / "spool"

@@ -39,8 +39,20 @@ class SignalRecorder:
         self.kept_share_tokens = torch.zeros(num_layers, dtype=torch.float64)
         self.magnitude: list[torch.Tensor | None] = [None] * num_layers
         self.silence_tokens = 0
+        self.token_zeros: torch.Tensor | None = None  # per position, for a single-pass score
+        self.token_width = 0.0
         self.step_sparsity: list[float] = []
         self._step_start = (0.0, 0.0)
+
+    def track_positions(self, num_positions: int) -> None:
+        """Also count zeros per position, for one forward pass over a whole sequence."""
+        self.token_zeros = torch.zeros(num_positions, dtype=torch.float64)
+        self.token_width = 0.0
+
+    def position_sparsity(self) -> list[float]:
+        if self.token_zeros is None or not self.token_width:
+            return []
+        return list((self.token_zeros / self.token_width).tolist())
 
     def begin_step(self) -> None:
         self._step_start = (float(self.zeros.sum()), float(self.numel.sum()))
@@ -55,6 +67,9 @@ class SignalRecorder:
         """Record one sparsified tensor: `magnitude` is |input|, `kept` the boolean keep mask."""
         self.numel[layer] += magnitude.numel()
         self.zeros[layer] += magnitude.numel() - kept.sum()
+        if self.token_zeros is not None:
+            self.token_zeros += (~kept).reshape(-1, kept.shape[-1]).sum(-1)
+            self.token_width += kept.shape[-1]
         share = signals.kept_magnitude_share(magnitude, kept)
         self.kept_share_sum[layer] += share.sum()
         self.kept_share_tokens[layer] += share.numel()
