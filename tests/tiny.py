@@ -16,7 +16,12 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from sparse_engine.allocation import thresholds_for, uniform_targets
+from sparse_engine.engine import Engine
 from sparse_engine.loader import LoadedModel, wrap
+from sparse_engine.plan import Level, SparsityPlan
+from sparse_engine.prefix_cache import PrefixCache
+from sparse_engine.stats_collect import collect_stats
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -75,3 +80,20 @@ SAMPLE_TEXT = (
 
 def sample_texts(n: int = 12) -> list[str]:
     return [f"Document {i}. " + SAMPLE_TEXT * (1 + i % 3) for i in range(n)]
+
+
+def tiny_engine(cache: bool = True) -> Engine:
+    """A tiny Llama with conservative/balanced/aggressive plans at 30/50/70 % sparsity."""
+    lm = tiny_model("llama")
+    batches = [torch.tensor([lm.tokenizer(t)["input_ids"][:96]]) for t in sample_texts(6)]
+    stats = collect_stats(lm.model, lm.layers, batches, ("down",))
+    targets = {Level.CONSERVATIVE: 0.3, Level.BALANCED: 0.5, Level.AGGRESSIVE: 0.7}
+    plans = {
+        level: SparsityPlan(
+            level,
+            thresholds_for(stats, uniform_targets(stats, ("down",), target)),
+            calibration_version=f"tiny-{level.value}",
+        )
+        for level, target in targets.items()
+    }
+    return Engine(lm, plans, PrefixCache() if cache else None)

@@ -1,0 +1,1 @@
+"""The HTTP gateway's pure building blocks: input hygiene, request policy and API-key auth."""

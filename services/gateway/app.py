@@ -1,0 +1,81 @@
+"""The gateway application: `create_app(settings)` builds it; the lifespan loads the engine
+(unless one is given), starts the worker and telemetry, and closes them on shutdown."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import httpx
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+
+from services.config import Settings
+from services.gateway.errors import install_error_handlers
+from services.gateway.limits import BodySizeLimit
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.routes_chat import router as chat_router
+from services.gateway.routes_system import router as system_router
+from services.gateway.runtime import Runtime, TelemetrySink
+from services.gateway.worker import EngineWorker
+from sparse_engine.artefacts import CalibrationStore
+from sparse_engine.engine import Engine
+from sparse_engine.loader import load_model
+from sparse_engine.models import resolve_model
+from sparse_engine.prefix_cache import PrefixCache
+
+log = logging.getLogger(__name__)
+
+
+def create_app(
+    settings: Settings,
+    *,
+    engine: Engine | None = None,
+    sink: TelemetrySink | None = None,
+    upstream: httpx.AsyncClient | None = None,
+    registry: CollectorRegistry | None = None,
+) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with AsyncExitStack() as stack:
+            app.state.runtime = await _start(settings, stack, engine, sink, upstream, registry)
+            log.info("gateway ready (%s mode)", settings.gateway.mode)
+            yield
+            app.state.runtime = None
+
+    app = FastAPI(title="SparseGuard gateway", version="1", lifespan=lifespan)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.gateway.max_body_bytes)
+    install_error_handlers(app)
+    app.include_router(chat_router)
+    app.include_router(system_router)
+    return app
+
+
+async def _start(
+    settings: Settings,
+    stack: AsyncExitStack,
+    engine: Engine | None,
+    sink: TelemetrySink | None,
+    upstream: httpx.AsyncClient | None,
+    registry: CollectorRegistry | None,
+) -> Runtime:
+    engine = engine or build_engine(settings)
+    worker = EngineWorker(settings.gateway.queue_size)
+    stack.callback(worker.close)
+    if sink is None and settings.telemetry.enabled:
+        from services.telemetry.producer import TelemetryProducer
+
+        producer = TelemetryProducer(settings.telemetry, settings.spool_dir)
+        stack.callback(producer.close)
+        sink = producer
+    if upstream is None and settings.gateway.mode == "proxy":
+        upstream = await stack.enter_async_context(httpx.AsyncClient())
+    registry = registry or CollectorRegistry()
+    return Runtime(settings, engine, worker, GatewayMetrics(registry), registry, sink, upstream)
+
+
+def build_engine(settings: Settings) -> Engine:
+    lm = load_model(resolve_model(settings.engine.model, settings.home))
+    cache = PrefixCache() if settings.engine.prefix_cache_entries else None
+    return Engine.from_store(lm, CalibrationStore(settings.calibrations_dir), cache)

@@ -1,0 +1,84 @@
+"""Errors in each API's own shape, and the handlers that make sure nothing leaks a stack
+trace or a bare 500."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+KINDS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "api_error",
+    502: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = headers or {}
+
+
+def is_anthropic(path: str) -> bool:
+    return path.startswith("/v1/messages")
+
+
+def error_body(anthropic: bool, status: int, message: str) -> dict[str, object]:
+    kind = KINDS.get(status, "api_error")
+    if anthropic:
+        return {"type": "error", "error": {"type": kind, "message": message}}
+    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+
+
+def error_response(request: Request, error: ApiError) -> JSONResponse:
+    body = error_body(is_anthropic(request.url.path), error.status, error.message)
+    return JSONResponse(body, status_code=error.status, headers=error.headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(request, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(request, ApiError(400, describe_validation(exc)))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(request, ApiError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(request, ApiError(500, "internal error; see the gateway log"))
+
+
+def describe_validation(exc: RequestValidationError) -> str:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request body"
+    first = errors[0]
+    where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+    if first.get("type") == "json_invalid":
+        return "request body is not valid JSON"
+    message = str(first.get("msg", "invalid value"))
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{where or 'body'}: {message}{more}"

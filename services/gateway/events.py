@@ -1,0 +1,86 @@
+"""Turn one finished (or failed) request into its telemetry event and metrics."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from services.gateway.errors import ApiError
+from services.gateway.pipeline import Final, Prepared
+from services.gateway.runtime import Runtime
+from services.telemetry.schema import EventError, TelemetryEvent
+
+log = logging.getLogger(__name__)
+
+
+def record(rt: Runtime, p: Prepared, final: Final | None, error: ApiError | None = None) -> None:
+    """Send the request's event and update the gateway metrics. Never raises."""
+    try:
+        event = build_event(rt, p, final, error)
+        _observe(rt, p, final, error)
+        if rt.sink is not None:
+            rt.sink.send(event)
+    except Exception:
+        log.exception("could not record telemetry for %s", p.trace_id)
+
+
+def build_event(
+    rt: Runtime, p: Prepared, final: Final | None, error: ApiError | None
+) -> TelemetryEvent:
+    stats = final.stats if final else None
+    sig = stats.signals if stats else None
+    total_ms = (time.perf_counter() - p.started) * 1000
+    return TelemetryEvent(
+        trace_id=p.trace_id,
+        time=p.started_at,
+        model=rt.engine.lm.model_id,
+        calibration_version=p.calibration_version,
+        level=p.decision.level.value,
+        mode=rt.settings.gateway.mode,
+        api=p.chat.api,
+        status="error" if error else "ok",
+        finish_reason=stats.finish_reason if stats else None,
+        prompt_tokens=stats.prompt_tokens if stats else 0,
+        completion_tokens=stats.completion_tokens if stats else 0,
+        sparsity_ratio=sig.sparsity_ratio if sig else None,
+        sparsity_per_layer=sig.sparsity_per_layer if sig else [],
+        gate_confidence=sig.gate_confidence if sig else None,
+        activation_stability_pct=sig.activation_stability_pct if sig else None,
+        silence_rate_per_layer=sig.silence_rate_per_layer if sig else [],
+        gate_entropy=sig.gate_entropy if sig else None,
+        input_entropy_bits_per_char=stats.input_entropy_bits_per_char if stats else None,
+        semantic_drift_kl=stats.semantic_drift_kl if stats else None,
+        ttft_ms=stats.time_to_first_token_s * 1000 if stats else None,
+        total_ms=total_ms,
+        queue_ms=final.queue_s * 1000 if final else None,
+        decode_tokens_per_s=stats.decode_tokens_per_s if stats else None,
+        cache_hit_rate=stats.cache_hit_rate if stats else None,
+        trust_score=final.trust.score if final else None,
+        trust_action=final.trust.action if final else None,
+        policy_flags=list(p.decision.changes),
+        hygiene_flags=list(p.hygiene_flags),
+        error=EventError(type=str(error.status), message=error.message) if error else None,
+    )
+
+
+def _observe(rt: Runtime, p: Prepared, final: Final | None, error: ApiError | None) -> None:
+    m = rt.metrics
+    mode, level = rt.settings.gateway.mode, p.decision.level.value
+    status = str(error.status) if error else "ok"
+    m.requests.labels(p.chat.api, mode, level, status).inc()
+    m.duration.labels(p.chat.api, mode).observe(time.perf_counter() - p.started)
+    for change in p.decision.changes:
+        m.policy_changes.labels(change.split(":", 1)[0]).inc()
+    if final is None:
+        return
+    stats = final.stats
+    m.ttft.labels(mode).observe(stats.time_to_first_token_s)
+    m.queue_wait.observe(final.queue_s)
+    m.tokens.labels("prompt").inc(stats.prompt_tokens)
+    m.tokens.labels("completion").inc(stats.completion_tokens)
+    m.cache_tokens.labels("hit").inc(stats.cached_tokens)
+    m.cache_tokens.labels("miss").inc(stats.prompt_tokens - stats.cached_tokens)
+    if stats.cache_mismatch:
+        m.cache_mismatches.inc()
+    if stats.signals is not None:
+        m.sparsity.labels(level).observe(stats.signals.sparsity_ratio)

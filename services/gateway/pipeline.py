@@ -1,0 +1,209 @@
+"""One chat request from cleaned input to final statistics: hygiene, policy, generation
+(serve) or upstream answer + probe (proxy), trust, telemetry."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+
+from services.gateway.errors import ApiError
+from services.gateway.hygiene import clean_text
+from services.gateway.policy import PolicyDecision, PolicyInput, decide, header_value
+from services.gateway.runtime import Runtime
+from services.gateway.schemas import ChatInput
+from services.gateway.trust import Trust, assess
+from services.gateway.upstream import stream_upstream
+from services.gateway.worker import Emit, Job, QueueFullError
+from sparse_engine.artefacts import CalibrationNotFoundError
+from sparse_engine.plan import Level
+from sparse_engine.requests import GenerationRequest, GenerationStats
+from sparse_engine.scoring import score_answer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Prepared:
+    chat: ChatInput
+    decision: PolicyDecision
+    hygiene_flags: tuple[str, ...]
+    trace_id: str
+    calibration_version: str | None
+    measure_drift: bool
+    started: float
+    started_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Final:
+    stats: GenerationStats
+    trust: Trust
+    queue_s: float
+
+
+def prepare(rt: Runtime, chat: ChatInput) -> Prepared:
+    """Clean the text and apply the policy; raises ApiError(400) for bad levels."""
+    trace_id = uuid.uuid4().hex
+    flags: list[str] = []
+    messages = []
+    for message in chat.messages:
+        cleaned = clean_text(message["content"])
+        flags.extend(f for f in cleaned.flags if f not in flags)
+        messages.append({"role": message["role"], "content": cleaned.text})
+    if not any(m["content"].strip() for m in messages if m["role"] != "system"):
+        raise ApiError(400, "messages: at least one non-system message with text is required")
+    chat = replace(chat, messages=messages)
+    decision = _decide(rt, chat)
+    version = _calibration(rt, decision.level)
+    rate = rt.settings.engine.drift_sample_rate
+    sampled = zlib.crc32(trace_id.encode()) % 10_000 < rate * 10_000
+    now = datetime.now(UTC)
+    return Prepared(
+        chat, decision, tuple(flags), trace_id, version, sampled, time.perf_counter(), now
+    )
+
+
+def upfront_headers(p: Prepared) -> dict[str, str]:
+    return {
+        "X-IR-Trace-ID": p.trace_id,
+        "X-IR-Level": p.decision.level.value,
+        "X-IR-Calibration": p.calibration_version or "none",
+        "X-IR-Policy": header_value(p.decision.changes),
+    }
+
+
+def final_headers(final: Final) -> dict[str, str]:
+    signals = final.stats.signals
+    return {
+        "X-IR-Sparsity": f"{signals.sparsity_ratio:.4f}" if signals else "0",
+        "X-IR-Trust": final.trust.header(),
+        "X-First-Token-Latency": f"{final.stats.time_to_first_token_s * 1000:.1f}",
+        "X-KV-Cache-Hit-Rate": f"{final.stats.cache_hit_rate:.4f}",
+    }
+
+
+async def execute(rt: Runtime, p: Prepared) -> AsyncGenerator[str | Final, None]:
+    """Text deltas, then one Final. Raises ApiError (429, 400, 502, 504)."""
+    timeout = rt.settings.gateway.request_timeout_s
+    try:
+        async with asyncio.timeout(timeout):
+            if rt.settings.gateway.mode == "proxy":
+                async for item in _proxy(rt, p):
+                    yield item
+            else:
+                async for item in _serve(rt, p):
+                    yield item
+    except TimeoutError:
+        raise ApiError(504, f"the request did not finish within {timeout:g} s") from None
+
+
+async def _serve(rt: Runtime, p: Prepared) -> AsyncIterator[str | Final]:
+    request = GenerationRequest(
+        messages=p.chat.messages,
+        max_new_tokens=p.decision.max_tokens,
+        temperature=p.decision.temperature,
+        top_p=p.chat.top_p,
+        stop=p.chat.stop,
+        seed=p.chat.seed,
+        measure_drift=p.measure_drift,
+    )
+
+    def run(emit: Emit, cancel: threading.Event) -> GenerationStats:
+        generation = rt.engine.generate(request, p.decision.level)
+        for delta in generation:
+            emit(delta)
+            if cancel.is_set():
+                generation.cancel()
+        return generation.result()
+
+    async for item in _drain(_submit(rt, run)):
+        yield item
+
+
+async def _proxy(rt: Runtime, p: Prepared) -> AsyncIterator[str | Final]:
+    if rt.upstream is None:
+        raise ApiError(502, "proxy mode is not configured with an upstream client")
+    parts: list[str] = []
+    first_at = None
+    async for delta in stream_upstream(rt.upstream, rt.settings.gateway, p.chat, p.decision):
+        first_at = first_at or time.perf_counter()
+        parts.append(delta)
+        yield delta
+    answer = "".join(parts)
+    level, drift = p.decision.level, p.measure_drift
+
+    def run(emit: Emit, cancel: threading.Event) -> GenerationStats:
+        return score_answer(rt.engine, p.chat.messages, answer, level, drift)
+
+    async for item in _drain(_submit(rt, run)):
+        if isinstance(item, Final):
+            ttft = (first_at or time.perf_counter()) - p.started
+            item.stats.time_to_first_token_s = ttft
+        yield item
+
+
+def _submit(rt: Runtime, run: object) -> Job:
+    try:
+        return rt.worker.submit(run)  # type: ignore[arg-type]
+    except QueueFullError:
+        rt.metrics.rejections.inc()
+        raise ApiError(
+            429, "the engine queue is full; retry shortly", {"Retry-After": "1"}
+        ) from None
+
+
+async def _drain(job: Job) -> AsyncIterator[str | Final]:
+    try:
+        async for kind, value in job.events():
+            if kind == "delta":
+                yield value
+            elif kind == "error":
+                raise _as_api_error(value)
+            else:
+                yield Final(value, assess(value.signals), job.queue_s)
+    finally:
+        job.cancel.set()  # a client that went away stops its generation
+
+
+def _as_api_error(exc: BaseException) -> ApiError:
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, (ValueError, CalibrationNotFoundError)):
+        return ApiError(400, str(exc))
+    log.error("engine failure", exc_info=exc)
+    return ApiError(500, "the engine failed on this request; see the gateway log")
+
+
+def _decide(rt: Runtime, chat: ChatInput) -> PolicyDecision:
+    cfg = rt.settings
+    if chat.max_tokens is not None and chat.max_tokens > cfg.gateway.max_tokens_limit:
+        raise ApiError(400, f"max_tokens must be at most {cfg.gateway.max_tokens_limit}")
+    try:
+        return decide(
+            PolicyInput(
+                user_text=chat.user_text,
+                system_text=chat.system_text,
+                requested_level=chat.ir_sparse_level,
+                ir_sparse=chat.ir_sparse,
+                max_tokens=chat.max_tokens,
+                temperature=chat.temperature,
+                default_level=cfg.engine.default_level,
+                raise_zero_temperature=cfg.gateway.raise_zero_temperature,
+            )
+        )
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
+
+
+def _calibration(rt: Runtime, level: Level) -> str | None:
+    try:
+        return rt.engine.plan(level).calibration_version
+    except CalibrationNotFoundError:
+        raise ApiError(400, f"level '{level.value}' is not calibrated on this gateway") from None

@@ -1,0 +1,91 @@
+"""The engine runs in one worker thread behind a bounded queue, so the event loop never
+blocks on the model. A full queue is refused at once (429) instead of piling up."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+Emit = Callable[[str], None]
+JobFn = Callable[[Emit, threading.Event], Any]
+
+
+class QueueFullError(Exception):
+    """The engine queue is full; the caller should retry later."""
+
+
+@dataclass(slots=True)
+class Job:
+    run: JobFn
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue[tuple[str, Any]]
+    cancel: threading.Event = field(default_factory=threading.Event)
+    enqueued_at: float = field(default_factory=time.perf_counter)
+    started_at: float | None = None
+
+    async def events(self) -> AsyncIterator[tuple[str, Any]]:
+        """("delta", text)* then ("done", result) or ("error", exception)."""
+        while True:
+            kind, value = await self.out.get()
+            yield kind, value
+            if kind != "delta":
+                return
+
+    @property
+    def queue_s(self) -> float:
+        return (self.started_at or time.perf_counter()) - self.enqueued_at
+
+
+class EngineWorker:
+    def __init__(self, queue_size: int) -> None:
+        self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
+        self._thread = threading.Thread(target=self._loop, name="engine-worker", daemon=True)
+        self._thread.start()
+
+    @property
+    def depth(self) -> int:
+        return self._jobs.qsize()
+
+    def submit(self, run: JobFn) -> Job:
+        job = Job(run, asyncio.get_running_loop(), asyncio.Queue())
+        try:
+            self._jobs.put_nowait(job)
+        except queue.Full:
+            raise QueueFullError from None
+        return job
+
+    def close(self, timeout: float = 5.0) -> None:
+        try:
+            self._jobs.put(None, timeout=timeout)
+        except queue.Full:
+            log.warning("engine worker queue still full at shutdown")
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            if job.cancel.is_set():
+                continue
+            job.started_at = time.perf_counter()
+            self._run(job)
+
+    def _run(self, job: Job) -> None:
+        try:
+            result = job.run(lambda delta: _post(job, ("delta", delta)), job.cancel)
+        except Exception as exc:  # handed to the request, which maps it to an API error
+            _post(job, ("error", exc))
+        else:
+            _post(job, ("done", result))
+
+
+def _post(job: Job, item: tuple[str, Any]) -> None:
+    try:
+        job.loop.call_soon_threadsafe(job.out.put_nowait, item)
+    except RuntimeError:  # the request's event loop is gone; nobody is listening
+        job.cancel.set()

@@ -1,0 +1,65 @@
+"""A gateway on loopback around the tiny engine, with telemetry recorded in memory."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from services.config import GatewaySettings, Settings, TelemetrySettings
+from services.gateway.app import create_app
+from services.telemetry.schema import TelemetryEvent
+from sparse_engine.engine import Engine, Generation, GenerationRequest
+from sparse_engine.plan import Level
+from tests.servers import serve
+
+
+class RecordingSink:
+    """Keeps the events in memory (the Kafka path is tested against a real broker)."""
+
+    def __init__(self) -> None:
+        self.events: list[TelemetryEvent] = []
+
+    def send(self, event: TelemetryEvent) -> None:
+        self.events.append(event)
+
+    def by_trace(self, trace_id: str) -> TelemetryEvent:
+        return next(e for e in self.events if e.trace_id == trace_id)
+
+
+class GatedEngine(Engine):
+    """The real engine, held at the start of each generation until `gate` is set, and
+    optionally slowed down per token (the tiny model is too fast to race against)."""
+
+    def __init__(self, inner: Engine, token_delay_s: float = 0.0, open_gate: bool = False) -> None:
+        super().__init__(inner.lm, inner.plans, inner.prefix_cache)
+        self.gate = threading.Event()
+        self.token_delay_s = token_delay_s
+        self.generations: list[Generation] = []
+        if open_gate:
+            self.gate.set()
+
+    def generate(self, request: GenerationRequest, level: Level = Level.DENSE) -> Generation:
+        self.gate.wait(30)
+        generation = super().generate(request, level)
+        inner = generation._deltas
+        generation._deltas = (d for d in inner if time.sleep(self.token_delay_s) is None)
+        self.generations.append(generation)
+        return generation
+
+
+def settings_for(home: Path, **gateway: Any) -> Settings:
+    return Settings(
+        home=home,
+        gateway=GatewaySettings(**gateway),
+        telemetry=TelemetrySettings(enabled=False),
+    )
+
+
+@contextmanager
+def running_gateway(settings: Settings, engine: Engine, sink: RecordingSink) -> Iterator[str]:
+    with serve(create_app(settings, engine=engine, sink=sink)) as url:
+        yield url

@@ -1,0 +1,185 @@
+"""The gateway over real HTTP on loopback, driven by the official `openai` and `anthropic`
+SDKs and by raw requests, around the tiny random-init engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from tests.gateway_fixtures import RecordingSink, running_gateway, settings_for
+from tests.tiny import tiny_engine
+
+LONG_SYSTEM = "You are a meticulous assistant for a hardware store. " * 5  # > 200 chars
+
+
+@pytest.fixture(scope="module")
+def sink() -> RecordingSink:
+    return RecordingSink()
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory, sink: RecordingSink) -> Iterator[str]:
+    settings = settings_for(
+        tmp_path_factory.mktemp("home"), max_tokens_limit=512, max_body_bytes=20_000
+    )
+    with running_gateway(settings, tiny_engine(), sink) as base:
+        yield base
+
+
+def oai(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def test_openai_sdk_completion_with_headers_and_telemetry(url: str, sink: RecordingSink) -> None:
+    raw = oai(url).chat.completions.with_raw_response.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Say hi"}],
+        max_tokens=8,
+        extra_body={"ir_sparse_level": "balanced"},
+    )
+    completion = raw.parse()
+    assert isinstance(completion.choices[0].message.content, str)
+    assert completion.usage is not None and 1 <= completion.usage.completion_tokens <= 8
+    headers = raw.headers
+    assert headers["x-ir-level"] == "balanced"
+    assert headers["x-ir-calibration"] == "tiny-balanced"
+    assert 0.3 < float(headers["x-ir-sparsity"]) < 0.7
+    assert float(headers["x-first-token-latency"]) > 0
+    assert "temperature:" not in headers["x-ir-policy"]  # temperature defaults to 1.0
+    event = sink.by_trace(headers["x-ir-trace-id"])
+    assert event.status == "ok" and event.level == "balanced" and event.api == "openai"
+    assert event.sparsity_ratio == pytest.approx(float(headers["x-ir-sparsity"]), abs=1e-4)
+    assert len(event.silence_rate_per_layer) == 2
+
+
+def test_openai_sdk_stream_ends_with_usage_and_stats(url: str) -> None:
+    stream = oai(url).chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Count"}],
+        max_tokens=6,
+        stream=True,
+        temperature=0,
+        extra_body={"ir_sparse": True, "ir_sparse_level": "aggressive"},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    last = chunks[-1]
+    assert last.usage is not None and last.usage.completion_tokens >= 1
+    stats = (last.model_extra or {})["ir_stats"]
+    assert stats["level"] == "aggressive" and stats["sparsity_ratio"] > 0.5
+    assert "temperature:0->0.3" in stats["policy"]
+    assert len(text) > 0
+
+
+def test_anthropic_sdk_message_and_stream(url: str) -> None:
+    client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+    message = client.messages.create(
+        model="tiny",
+        max_tokens=6,
+        system=LONG_SYSTEM,
+        messages=[{"role": "user", "content": "Hello"}],
+        extra_body={"ir_sparse_level": "balanced"},
+    )
+    assert message.content[0].type == "text"
+    assert message.usage.output_tokens >= 1
+    assert "system_prompt>200" in " ".join((message.model_extra or {})["ir_stats"]["policy"])
+    with client.messages.stream(
+        model="tiny", max_tokens=6, messages=[{"role": "user", "content": "Hi"}]
+    ) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert final.content[0].type == "text" and final.content[0].text == streamed
+    assert final.usage.output_tokens >= 1
+
+
+def test_shared_system_prompt_hits_the_prefix_cache(url: str) -> None:
+    client = oai(url)
+    hit_rates = []
+    for question in ("first?", "second?"):
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny",
+            max_tokens=2,
+            messages=[
+                {"role": "system", "content": "Cache me. " + LONG_SYSTEM},
+                {"role": "user", "content": question},
+            ],
+            extra_body={"ir_sparse_level": "conservative"},
+        )
+        hit_rates.append(float(raw.headers["x-kv-cache-hit-rate"]))
+    assert hit_rates[0] == 0.0 and hit_rates[1] > 0.8
+
+
+def test_models_health_and_metrics(url: str) -> None:
+    models = oai(url).models.list()
+    assert [m.id for m in models.data] == ["tiny-llama"]
+    assert httpx.get(f"{url}/healthz").json() == {"status": "ok"}
+    ready = httpx.get(f"{url}/readyz")
+    assert ready.status_code == 200 and ready.json()["model_loaded"] is True
+    metrics = httpx.get(f"{url}/metrics").text
+    assert "sparseguard_gateway_requests_total" in metrics
+
+
+BAD_OPENAI = [
+    (b"{not json", 400, "not valid JSON"),
+    (b'{"model": "m", "messages": []}', 400, "messages"),
+    (b'{"model": "m", "messages": [{"role": "wizard", "content": "x"}]}', 400, "role"),
+    (
+        b'{"messages": [{"role": "user", "content": "x"}], "ir_sparse_level": "turbo"}',
+        400,
+        "ir_sparse_level",
+    ),
+    (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}', 400, "max_tokens"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}', 400, "at most 512"),
+    (b'{"messages": [{"role": "user", "content": 5}]}', 400, "content"),
+    (b'{"messages": [{"role": "user", "content": "   "}]}', 400, "non-system message"),
+    (b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, ""),
+    (
+        b'{"messages": [{"role": "user", "content": "' + b"x" * 400 + b'"}], "max_tokens": 300}',
+        400,
+        "context",
+    ),
+    (b'{"messages": [{"role": "user", "content": "' + b"x" * 30_000 + b'"}]}', 413, "larger than"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "needle"), BAD_OPENAI)
+def test_bad_openai_input_gets_a_clear_error(
+    url: str, body: bytes, status: int, needle: str
+) -> None:
+    response = httpx.post(
+        f"{url}/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["type"] in {"invalid_request_error", "request_too_large"}
+    assert needle in error["message"]
+
+
+def test_bad_anthropic_input_uses_anthropic_error_shape(url: str) -> None:
+    response = httpx.post(
+        f"{url}/v1/messages", json={"messages": [{"role": "user", "content": "x"}]}
+    )
+    assert response.status_code == 400
+    body = response.json()
+    assert body["type"] == "error" and "max_tokens" in body["error"]["message"]
+
+
+def test_api_keys_are_checked(tmp_path: Path) -> None:
+    from services.gateway.auth import hash_key
+
+    settings = settings_for(tmp_path, api_key_hashes=[hash_key("sk-good")])
+    with running_gateway(settings, tiny_engine(), RecordingSink()) as base:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        missing = httpx.post(f"{base}/v1/chat/completions", json=body)
+        wrong = httpx.post(
+            f"{base}/v1/chat/completions", json=body, headers={"authorization": "Bearer sk-bad"}
+        )
+        good = httpx.post(f"{base}/v1/messages", json=body, headers={"x-api-key": "sk-good"})
+    assert missing.status_code == 401 and "missing API key" in missing.json()["error"]["message"]
+    assert wrong.status_code == 401 and "sk-bad" not in wrong.text
+    assert good.status_code == 200

@@ -1,0 +1,60 @@
+"""Back-pressure and cancellation: a full engine queue answers 429 with Retry-After, and a
+client that disconnects stops its generation."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.gateway_fixtures import GatedEngine, RecordingSink, running_gateway, settings_for
+from tests.tiny import tiny_engine
+
+BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def test_full_queue_answers_429_with_retry_after(tmp_path: Path) -> None:
+    engine = GatedEngine(tiny_engine())
+    gateway = running_gateway(settings_for(tmp_path, queue_size=1), engine, RecordingSink())
+    with gateway as url, concurrent.futures.ThreadPoolExecutor(4) as pool:
+        # one request holds the worker, one waits in the queue: the rest are refused
+        post = f"{url}/v1/chat/completions"
+        held = [pool.submit(httpx.post, post, json=BODY, timeout=30) for _ in range(2)]
+        time.sleep(0.5)
+        refused = httpx.post(post, json=BODY)
+        engine.gate.set()
+        statuses = sorted(f.result().status_code for f in held)
+    assert refused.status_code == 429
+    assert refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+    assert statuses == [200, 200]
+
+
+def test_client_disconnect_cancels_generation(tmp_path: Path) -> None:
+    sink = RecordingSink()
+    body = {
+        "messages": [{"role": "user", "content": "go"}],
+        "max_tokens": 400,
+        "stream": True,
+        "temperature": 0,
+    }
+    engine = GatedEngine(tiny_engine(), token_delay_s=0.02, open_gate=True)
+    with running_gateway(settings_for(tmp_path, max_tokens_limit=400), engine, sink) as url:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+            trace = response.headers["x-ir-trace-id"]
+            lines = response.iter_lines()
+            next(lines)
+            next(lines)
+        deadline = time.monotonic() + 10
+        while not any(e.trace_id == trace for e in sink.events) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        while engine.generations[-1].stats is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    event = sink.by_trace(trace)
+    assert event.status == "error" and event.error is not None
+    assert "disconnected" in event.error.message
+    stats = engine.generations[-1].stats
+    assert stats is not None and stats.finish_reason == "cancelled"
+    assert stats.completion_tokens < 400

@@ -1,0 +1,130 @@
+"""Proxy mode against a stand-in upstream: a small OpenAI-compatible server on loopback (the
+real upstream LLM API cannot run here). The gateway forwards, then probes the answer with its
+own engine, teacher-forced."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import SecretStr
+
+from tests.gateway_fixtures import RecordingSink, running_gateway, settings_for
+from tests.servers import free_port, serve
+from tests.tiny import tiny_engine
+
+ANSWER = ["The capital ", "of France ", "is Paris."]
+
+
+def fake_upstream(seen: list[dict[str, object]]) -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def complete(request: Request) -> JSONResponse | StreamingResponse:
+        body = await request.json()
+        seen.append({"auth": request.headers.get("authorization"), **body})
+        if body["model"] == "fail":
+            return JSONResponse({"error": {"message": "model overloaded"}}, status_code=500)
+        if body["model"] == "slow":
+            await asyncio.sleep(3)
+
+        async def chunks() -> AsyncIterator[bytes]:
+            for part in ANSWER:
+                chunk = {"choices": [{"index": 0, "delta": {"content": part}}]}
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def seen() -> list[dict[str, object]]:
+    return []
+
+
+@pytest.fixture(scope="module")
+def upstream(seen: list[dict[str, object]]) -> Iterator[str]:
+    with serve(fake_upstream(seen)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def sink() -> RecordingSink:
+    return RecordingSink()
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    tmp_path_factory: pytest.TempPathFactory, upstream: str, sink: RecordingSink
+) -> Iterator[str]:
+    settings = settings_for(
+        tmp_path_factory.mktemp("home"),
+        mode="proxy",
+        upstream_url=f"{upstream}/v1",
+        upstream_api_key=SecretStr("sk-upstream-secret"),
+        upstream_timeout_s=1.0,
+    )
+    with running_gateway(settings, tiny_engine(), sink) as url:
+        yield url
+
+
+def ask(gateway: str, model: str, stream: bool = False) -> httpx.Response:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Capital of France?"}],
+        "stream": stream,
+    }
+    return httpx.post(
+        f"{gateway}/v1/chat/completions", json={**body, "ir_sparse_level": "balanced"}, timeout=30
+    )
+
+
+def test_proxy_returns_upstream_answer_with_probe_signals(
+    gateway: str, seen: list[dict[str, object]], sink: RecordingSink
+) -> None:
+    response = ask(gateway, "ok")
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["message"]["content"] == "".join(ANSWER)
+    assert 0.3 < float(response.headers["x-ir-sparsity"]) < 0.7
+    assert seen[-1]["auth"] == "Bearer sk-upstream-secret"
+    event = sink.by_trace(response.headers["x-ir-trace-id"])
+    assert event.mode == "proxy" and event.completion_tokens > 0
+    assert event.gate_confidence is not None and 0 < event.gate_confidence < 1
+    assert "sk-upstream-secret" not in event.model_dump_json()
+
+
+def test_proxy_streams_through_openai_sdk(gateway: str) -> None:
+    client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0)
+    chunks = list(
+        client.chat.completions.create(
+            model="ok", messages=[{"role": "user", "content": "Q?"}], stream=True
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "".join(ANSWER)
+    assert (chunks[-1].model_extra or {})["ir_stats"]["level"] == "balanced"
+
+
+def test_upstream_failure_is_502_and_timeout_504(gateway: str) -> None:
+    failed = ask(gateway, "fail")
+    assert failed.status_code == 502 and "HTTP 500" in failed.json()["error"]["message"]
+    slow = ask(gateway, "slow")
+    assert slow.status_code == 504 and "did not answer" in slow.json()["error"]["message"]
+
+
+def test_unreachable_upstream_is_502(tmp_path: Path) -> None:
+    settings = settings_for(
+        tmp_path, mode="proxy", upstream_url=f"http://127.0.0.1:{free_port()}/v1"
+    )
+    with running_gateway(settings, tiny_engine(), RecordingSink()) as url:
+        response = ask(url, "ok")
+    assert response.status_code == 502 and "unreachable" in response.json()["error"]["message"]
