@@ -30,6 +30,7 @@ bench: $(STAMP)
 	$(SG) calibrate --level all --if-missing
 	$(SG) bench engine
 	$(SG) bench quality --data wiki --tokens 8192
+	$(SG) bench gateway
 
 fmt: $(STAMP)
 	$(VENV)/bin/ruff format .

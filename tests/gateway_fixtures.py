@@ -11,10 +11,10 @@ from typing import Any
 
 from services.config import GatewaySettings, Settings, TelemetrySettings
 from services.gateway.app import create_app
+from services.gateway.server import serve
 from services.telemetry.schema import TelemetryEvent
 from sparse_engine.engine import Engine, Generation, GenerationRequest
 from sparse_engine.plan import Level
-from tests.servers import serve
 
 
 class RecordingSink:
@@ -42,11 +42,15 @@ class GatedEngine(Engine):
         if open_gate:
             self.gate.set()
 
+    def _slowly(self, delta: str) -> str:
+        time.sleep(self.token_delay_s)
+        return delta
+
     def generate(self, request: GenerationRequest, level: Level = Level.DENSE) -> Generation:
         self.gate.wait(30)
         generation = super().generate(request, level)
         inner = generation._deltas
-        generation._deltas = (d for d in inner if time.sleep(self.token_delay_s) is None)
+        generation._deltas = (self._slowly(d) for d in inner)
         self.generations.append(generation)
         return generation
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from services.cli import bench_gateway
 from services.cli.common import emit, emit_json, engine
 from services.config import Settings
 from sparse_engine import corpora
@@ -42,6 +43,7 @@ def register(commands: Any) -> None:
     e.add_argument("--repeats", type=int, default=3)
     e.add_argument("--json", action="store_true")
     e.set_defaults(handler=run_engine)
+    bench_gateway.register(bench)
 
 
 def run_quality(args: argparse.Namespace, settings: Settings) -> int:

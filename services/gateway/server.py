@@ -1,4 +1,4 @@
-"""Real HTTP servers on loopback for tests: any ASGI app under uvicorn in a thread."""
+"""Run any ASGI app under uvicorn in a background thread (tests, benchmarks, stand-ins)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,43 @@
+"""The gateway serving the real SmolLM2 through the official OpenAI SDK."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+import pytest
+
+from sparse_engine.artefacts import CalibrationStore
+from sparse_engine.engine import Engine
+from sparse_engine.loader import LoadedModel
+from sparse_engine.prefix_cache import PrefixCache
+from tests.gateway_fixtures import RecordingSink, running_gateway, settings_for
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("level", ["dense", "balanced"])
+def test_openai_sdk_gets_paris_from_smollm(
+    smollm: LoadedModel, calibrated_store: CalibrationStore, tmp_path: Path, level: str
+) -> None:
+    engine = Engine.from_store(smollm, calibrated_store, PrefixCache())
+    sink = RecordingSink()
+    with running_gateway(settings_for(tmp_path), engine, sink) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        raw = client.chat.completions.with_raw_response.create(
+            model="SmolLM2-135M-Instruct",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=16,
+            temperature=0,
+            seed=0,  # balanced raises temperature 0 to 0.3: a seed keeps the sample fixed
+            extra_body={"ir_sparse_level": level},
+        )
+    answer = raw.parse().choices[0].message.content or ""
+    assert "Paris" in answer
+    assert raw.headers["x-ir-level"] == level
+    event = sink.by_trace(raw.headers["x-ir-trace-id"])
+    assert event.model == "SmolLM2-135M-Instruct" and event.status == "ok"
+    if level == "balanced":
+        assert raw.headers["x-ir-calibration"].startswith("smollm2-135m-instruct-balanced")
+        assert float(raw.headers["x-ir-sparsity"]) > 0.3
+        assert "temperature:0->0.3" in raw.headers["x-ir-policy"]
