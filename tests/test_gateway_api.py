@@ -172,9 +172,12 @@ def test_bad_anthropic_input_uses_anthropic_error_shape(url: str) -> None:
 def test_api_keys_are_checked(tmp_path: Path) -> None:
     from services.gateway.auth import hash_key
 
-    settings = settings_for(tmp_path, api_key_hashes=[hash_key("sk-good")])
-    with running_gateway(settings, tiny_engine(), RecordingSink()) as base:
+    keys = {"api_key_hashes": [hash_key("sk-good")], "admin_key_hashes": [hash_key("sk-admin")]}
+    sink = RecordingSink()
+    with running_gateway(settings_for(tmp_path, **keys), tiny_engine(), sink) as base:
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        not_admin = httpx.get(f"{base}/admin/status", headers={"x-api-key": "sk-good"})
+        admin = httpx.get(f"{base}/admin/status", headers={"x-api-key": "sk-admin"})
         missing = httpx.post(f"{base}/v1/chat/completions", json=body)
         wrong = httpx.post(
             f"{base}/v1/chat/completions", json=body, headers={"authorization": "Bearer sk-bad"}
@@ -183,3 +186,7 @@ def test_api_keys_are_checked(tmp_path: Path) -> None:
     assert missing.status_code == 401 and "missing API key" in missing.json()["error"]["message"]
     assert wrong.status_code == 401 and "sk-bad" not in wrong.text
     assert good.status_code == 200
+    assert not_admin.status_code == 403 and "admin" in not_admin.json()["error"]["message"]
+    assert admin.status_code == 200 and admin.json()["levels"]["balanced"] == "tiny-balanced"
+    # refused requests still produce telemetry: two 401s and one success
+    assert sorted(e.error.type if e.error else "ok" for e in sink.events) == ["401", "401", "ok"]

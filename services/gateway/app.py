@@ -8,11 +8,12 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import httpx
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry
 
 from services.config import Settings
-from services.gateway.errors import install_error_handlers
+from services.gateway.errors import ApiError, install_error_handlers, is_anthropic
+from services.gateway.events import record_rejected
 from services.gateway.limits import BodySizeLimit
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.routes_chat import router as chat_router
@@ -46,10 +47,17 @@ def create_app(
 
     app = FastAPI(title="SparseGuard gateway", version="1", lifespan=lifespan)
     app.add_middleware(BodySizeLimit, max_bytes=settings.gateway.max_body_bytes)
-    install_error_handlers(app)
+    install_error_handlers(app, _on_reject)
     app.include_router(chat_router)
     app.include_router(system_router)
     return app
+
+
+def _on_reject(request: Request, error: ApiError) -> None:
+    runtime: Runtime | None = getattr(request.app.state, "runtime", None)
+    if runtime is not None:
+        api = "anthropic" if is_anthropic(request.url.path) else "openai"
+        record_rejected(runtime, api, error)
 
 
 async def _start(

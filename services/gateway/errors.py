@@ -4,6 +4,7 @@ trace or a bare 500."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,6 +35,7 @@ class ApiError(Exception):
         self.status = status
         self.message = message
         self.headers = headers or {}
+        self.recorded = False  # set once the request's telemetry event carries this error
 
 
 def is_anthropic(path: str) -> bool:
@@ -47,12 +49,20 @@ def error_body(anthropic: bool, status: int, message: str) -> dict[str, object]:
     return {"error": {"message": message, "type": kind, "param": None, "code": None}}
 
 
-def error_response(request: Request, error: ApiError) -> JSONResponse:
-    body = error_body(is_anthropic(request.url.path), error.status, error.message)
-    return JSONResponse(body, status_code=error.status, headers=error.headers)
+CHAT_PATHS = ("/v1/chat/completions", "/v1/messages")
+OnReject = Callable[[Request, ApiError], None]
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, on_reject: OnReject | None = None) -> None:
+    """Map every error to the API's shape. `on_reject` sees chat requests refused before
+    they had a telemetry event of their own (bad body, bad key), so none goes unrecorded."""
+
+    def error_response(request: Request, error: ApiError) -> JSONResponse:
+        if on_reject and not error.recorded and request.url.path in CHAT_PATHS:
+            on_reject(request, error)
+        body = error_body(is_anthropic(request.url.path), error.status, error.message)
+        return JSONResponse(body, status_code=error.status, headers=error.headers)
+
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         return error_response(request, exc)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
+from datetime import UTC, datetime
 
 from services.gateway.errors import ApiError
 from services.gateway.pipeline import Final, Prepared
@@ -15,6 +17,8 @@ log = logging.getLogger(__name__)
 
 def record(rt: Runtime, p: Prepared, final: Final | None, error: ApiError | None = None) -> None:
     """Send the request's event and update the gateway metrics. Never raises."""
+    if error is not None:
+        error.recorded = True
     try:
         event = build_event(rt, p, final, error)
         _observe(rt, p, final, error)
@@ -22,6 +26,30 @@ def record(rt: Runtime, p: Prepared, final: Final | None, error: ApiError | None
             rt.sink.send(event)
     except Exception:
         log.exception("could not record telemetry for %s", p.trace_id)
+
+
+def record_rejected(rt: Runtime, api: str, error: ApiError) -> None:
+    """The event of a chat request refused before it was prepared (bad body, bad key)."""
+    error.recorded = True
+    mode = rt.settings.gateway.mode
+    try:
+        rt.metrics.requests.labels(api, mode, "none", str(error.status)).inc()
+        if rt.sink is not None:
+            rt.sink.send(
+                TelemetryEvent(
+                    trace_id=uuid.uuid4().hex,
+                    time=datetime.now(UTC),
+                    model=rt.engine.lm.model_id,
+                    calibration_version=None,
+                    level="none",
+                    mode=mode,
+                    api="anthropic" if api == "anthropic" else "openai",
+                    status="error",
+                    error=EventError(type=str(error.status), message=error.message),
+                )
+            )
+    except Exception:
+        log.exception("could not record a rejected request")
 
 
 def build_event(
