@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from sparse_engine.artefacts import CalibrationStore
+from sparse_engine.calibrate import CalibrationConfig, calibrate, prepare_data
+from sparse_engine.corpora import load_texts
+from sparse_engine.loader import LoadedModel, load_model
+from sparse_engine.models import DEFAULT_MODEL, resolve_model
+from sparse_engine.plan import Level
+from tests.broker import Broker
+
+# Small enough for CI; `make run` and `make bench` calibrate with the full defaults.
+CI_CALIBRATION = CalibrationConfig(samples=16, seq_len=256, heldout_tokens=1024)
 
 
 @pytest.fixture(scope="session")
@@ -16,3 +28,32 @@ def home() -> Path:
     path = Path(configured).expanduser() if configured else Path.home() / ".cache" / "sparseguard"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm(home: Path) -> LoadedModel:
+    """The real SmolLM2-135M-Instruct, loaded once per test session."""
+    return load_model(resolve_model(DEFAULT_MODEL, home))
+
+
+@pytest.fixture(scope="session")
+def calibrated_store(
+    smollm: LoadedModel, home: Path, tmp_path_factory: pytest.TempPathFactory
+) -> CalibrationStore:
+    """A balanced calibration of SmolLM2 on Wikipedia, in a store private to the session."""
+    data = prepare_data(smollm.tokenizer, load_texts("wiki", home), CI_CALIBRATION, "wiki")
+    store = CalibrationStore(tmp_path_factory.mktemp("calibrations"))
+    for cal in calibrate(smollm, data, [Level.BALANCED], CI_CALIBRATION):
+        store.save(cal)
+    return store
+
+
+@pytest.fixture
+def kafka_broker() -> Iterator[Broker]:
+    """A fresh Tansu broker (memory storage) on its own port, always stopped at the end."""
+    broker = Broker()
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
