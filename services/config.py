@@ -54,6 +54,23 @@ class TelemetrySettings(BaseModel):
     client_id: str = "sparseguard-gateway"
 
 
+class StorageSettings(BaseModel):
+    # SQLAlchemy URL; default: SQLite at <home>/sparseguard.db. Production: postgresql+psycopg://...
+    url: str | None = None
+
+
+class AggregatorSettings(BaseModel):
+    host: str = "127.0.0.1"
+    port: int = Field(8001, ge=0, le=65535)
+    group_id: str = "sparseguard-aggregator"
+    lateness_s: float = Field(120.0, ge=0)
+    poll_timeout_ms: int = Field(500, ge=10)
+    max_poll_records: int = Field(500, ge=1)
+    snapshot_interval_s: float = Field(60.0, gt=0)
+    session_timeout_ms: int = Field(6000, ge=1000)
+    heartbeat_interval_ms: int = Field(500, ge=100)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPARSEGUARD_", env_nested_delimiter="__")
 
@@ -62,10 +79,16 @@ class Settings(BaseSettings):
     engine: EngineSettings = Field(default_factory=lambda: EngineSettings())
     gateway: GatewaySettings = Field(default_factory=lambda: GatewaySettings())
     telemetry: TelemetrySettings = Field(default_factory=lambda: TelemetrySettings())
+    storage: StorageSettings = Field(default_factory=lambda: StorageSettings())
+    aggregator: AggregatorSettings = Field(default_factory=lambda: AggregatorSettings())
 
     @property
     def calibrations_dir(self) -> Path:
         return self.home / "calibrations"
+
+    @property
+    def database_url(self) -> str:
+        return self.storage.url or f"sqlite:///{self.home / 'sparseguard.db'}"
 
     @property
     def spool_dir(self) -> Path:

@@ -58,3 +58,13 @@ def test_client_disconnect_cancels_generation(tmp_path: Path) -> None:
     stats = engine.generations[-1].stats
     assert stats is not None and stats.finish_reason == "cancelled"
     assert stats.completion_tokens < 400
+
+
+def test_request_past_its_time_limit_answers_504(tmp_path: Path) -> None:
+    engine = GatedEngine(tiny_engine(), token_delay_s=0.05, open_gate=True)
+    settings = settings_for(tmp_path, request_timeout_s=0.5, max_tokens_limit=200)
+    body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 200, "temperature": 0}
+    with running_gateway(settings, engine, RecordingSink()) as url:
+        response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 504
+    assert "within 0.5 s" in response.json()["error"]["message"]
