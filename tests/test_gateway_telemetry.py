@@ -9,12 +9,12 @@ from pathlib import Path
 import httpx
 from kafka import KafkaConsumer
 
+from services.broker import Broker
 from services.config import GatewaySettings, Settings, TelemetrySettings
 from services.gateway.app import create_app
-from services.gateway.server import serve
+from services.serving import serve
 from services.telemetry.schema import parse_event
 from services.telemetry.topics import ensure_topics, topic_specs
-from tests.broker import Broker
 from tests.tiny import tiny_engine
 
 

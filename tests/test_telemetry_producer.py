@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 from kafka import KafkaConsumer
 
+from services.broker import Broker
 from services.config import TelemetrySettings
 from services.telemetry.producer import TelemetryProducer
 from services.telemetry.schema import TelemetryEvent, parse_event, partition_key
 from services.telemetry.spool import KafkaRecord, Spool, SpoolLockedError
 from services.telemetry.topics import ensure_topics, topic_specs
-from tests.broker import Broker
 
 log = logging.getLogger(__name__)
 

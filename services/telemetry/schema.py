@@ -47,7 +47,7 @@ class TelemetryEvent(BaseModel):
     # major.minor: any 1.x validates (minor bumps only add optional fields); other majors are
     # rejected by parse_event before validation.
     schema_version: str = Field(SCHEMA_VERSION, pattern=r"^1\.\d+$")
-    trace_id: str = Field(min_length=1)
+    trace_id: str = Field(min_length=1, max_length=64)
     time: datetime = Field(description="UTC event time (request start)")
     model: str
     calibration_version: str | None

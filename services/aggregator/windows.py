@@ -1,0 +1,431 @@
+"""The pure rolling-window fold: `apply(state, events) -> state`, no I/O.
+
+Per (model, level) key every window keeps a fixed ring of time buckets (5m = 30 x 10 s,
+1h = 60 x 60 s, 24h = 96 x 900 s by default), so memory per key is bounded whatever the traffic.
+Buckets are aligned to the Unix epoch and chosen by EVENT time, not arrival. A bucket slot whose
+time has left the window is recycled by the first event of a newer bucket that maps to it.
+
+Lateness: each key's watermark is the largest event time it has seen; an event older than
+`watermark - lateness_s` is dropped and counted (`late_dropped`), a newer late one lands in its
+own bucket. `snapshot(state, now)` summarises, per window, the buckets whose start lies in
+(now - span, now]: the bucket holding `now` and the ones before it, so the covered event time is
+[start, end) with `end` the end of the bucket holding `now` (bucket granularity, by design).
+`now` is meant to be at or after the watermark (the wall clock); an earlier `now` only sees
+buckets not yet recycled.
+
+Error events count in `requests` and `errors` only. Means skip missing and non-finite values
+and keep their own denominators. Latency and TTFT go into fixed log-spaced histograms
+(`histograms`), so partial states merge exactly: `merge(a, b)` is the alternative to owning a
+partition key outright (each member folds what it gets, a reader adds the states up).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, fields
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from services.aggregator.histograms import Histogram, Quantiles
+from services.telemetry.schema import TelemetryEvent
+
+WINDOWS: dict[str, float] = {"5m": 300, "1h": 3600, "24h": 86400}
+DEFAULT_BUCKET_S: dict[str, float] = {"5m": 10, "1h": 60, "24h": 900}
+# Signals averaged per window, in the order of Bucket.sums / Bucket.counts.
+MEAN_FIELDS = (
+    "sparsity_ratio",
+    "gate_confidence",
+    "activation_stability_pct",
+    "semantic_drift_kl",
+    "cache_hit_rate",
+)
+_SPARSITY, _GATE, _STABILITY, _DRIFT, _CACHE = range(len(MEAN_FIELDS))
+Key = tuple[str, str]  # (model, level), the telemetry partition key
+
+
+@dataclass(frozen=True)
+class FoldConfig:
+    bucket_s: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_BUCKET_S))
+    lateness_s: float = 120.0
+    gate_band: tuple[float, float] = (0.75, 0.92)
+    spike_threshold: float = 0.80  # mean silence rate of the late-layer band
+    late_layers: int = 3
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.bucket_s) - set(WINDOWS))
+        if not self.bucket_s or unknown:
+            raise ValueError(f"bucket_s needs window names among {sorted(WINDOWS)}, got {unknown}")
+        for window, size in self.bucket_s.items():
+            if not size > 0 or abs(WINDOWS[window] / size - self.ring_size(window)) > 1e-9:
+                raise ValueError(f"bucket_s[{window!r}]={size} must divide {WINDOWS[window]} s")
+        if self.lateness_s < 0 or self.late_layers < 1 or self.gate_band[0] > self.gate_band[1]:
+            raise ValueError("need lateness_s >= 0, late_layers >= 1 and gate_band (low, high)")
+
+    def ring_size(self, window: str) -> int:
+        return max(1, round(WINDOWS[window] / self.bucket_s[window]))
+
+
+@dataclass(slots=True)
+class Observation:
+    """What one event contributes, computed once and added to one bucket per window."""
+
+    is_error: bool
+    values: list[float | None]  # aligned with MEAN_FIELDS
+    gate_outside: bool = False
+    silence: list[float | None] = field(default_factory=list)
+    spike: bool = False
+    trust_action: str | None = None
+    ttft_ms: float | None = None
+    total_ms: float | None = None
+
+
+def observe(event: TelemetryEvent, config: FoldConfig) -> Observation:
+    if event.status == "error":
+        return Observation(is_error=True, values=[None] * len(MEAN_FIELDS))
+    values = [_finite(getattr(event, name)) for name in MEAN_FIELDS]
+    gate = values[_GATE]
+    silence = [_finite(rate) for rate in event.silence_rate_per_layer]
+    band = [rate for rate in silence[-config.late_layers :] if rate is not None]
+    action = event.trust_action if event.trust_action != "none" else None
+    return Observation(
+        is_error=False,
+        values=values,
+        gate_outside=gate is not None and not config.gate_band[0] <= gate <= config.gate_band[1],
+        silence=silence,
+        spike=bool(band) and sum(band) / len(band) > config.spike_threshold,
+        trust_action=action,
+        ttft_ms=_finite(event.ttft_ms),
+        total_ms=_finite(event.total_ms),
+    )
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+@dataclass(slots=True)
+class Bucket:
+    """Running sums of one time bucket (index = floor(epoch seconds / bucket_s))."""
+
+    index: int
+    requests: int = 0
+    errors: int = 0
+    sums: list[float] = field(default_factory=lambda: [0.0] * len(MEAN_FIELDS))
+    counts: list[int] = field(default_factory=lambda: [0] * len(MEAN_FIELDS))
+    gate_outside: int = 0
+    silence_sums: list[float] = field(default_factory=list)
+    silence_counts: list[int] = field(default_factory=list)
+    spikes: int = 0
+    trust_actions: dict[str, int] = field(default_factory=dict)
+    ttft: Histogram = field(default_factory=Histogram)
+    latency: Histogram = field(default_factory=Histogram)
+
+    def add(self, obs: Observation) -> None:
+        self.requests += 1
+        if obs.is_error:
+            self.errors += 1
+            return
+        for i, value in enumerate(obs.values):
+            if value is not None:
+                self.sums[i] += value
+                self.counts[i] += 1
+        self.gate_outside += obs.gate_outside
+        self.spikes += obs.spike
+        self._grow(len(obs.silence))
+        for layer, rate in enumerate(obs.silence):
+            if rate is not None:
+                self.silence_sums[layer] += rate
+                self.silence_counts[layer] += 1
+        if obs.trust_action is not None:
+            self.trust_actions[obs.trust_action] = self.trust_actions.get(obs.trust_action, 0) + 1
+        if obs.ttft_ms is not None:
+            self.ttft.add(obs.ttft_ms)
+        if obs.total_ms is not None:
+            self.latency.add(obs.total_ms)
+
+    def _grow(self, num_layers: int) -> None:
+        missing = num_layers - len(self.silence_sums)
+        if missing > 0:
+            self.silence_sums.extend([0.0] * missing)
+            self.silence_counts.extend([0] * missing)
+
+    def merge(self, other: Bucket) -> None:
+        self.requests += other.requests
+        self.errors += other.errors
+        self.sums = [a + b for a, b in zip(self.sums, other.sums, strict=True)]
+        self.counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
+        self.gate_outside += other.gate_outside
+        self.spikes += other.spikes
+        self._grow(len(other.silence_sums))
+        for layer, count in enumerate(other.silence_counts):
+            self.silence_sums[layer] += other.silence_sums[layer]
+            self.silence_counts[layer] += count
+        for action, count in other.trust_actions.items():
+            self.trust_actions[action] = self.trust_actions.get(action, 0) + count
+        self.ttft.merge(other.ttft)
+        self.latency.merge(other.latency)
+
+    def mean(self, i: int) -> float | None:
+        return self.sums[i] / self.counts[i] if self.counts[i] else None
+
+
+@dataclass(slots=True)
+class Ring:
+    bucket_s: float
+    slots: list[Bucket | None]
+
+    def bucket_for(self, index: int) -> Bucket | None:
+        """The live bucket for `index`, recycling its slot if that holds an older bucket; None
+        when a newer bucket already holds the slot (the event is older than this window)."""
+        slot = index % len(self.slots)
+        bucket = self.slots[slot]
+        if bucket is None or bucket.index < index:
+            bucket = self.slots[slot] = Bucket(index)
+        return bucket if bucket.index == index else None
+
+    def covering(self, last: int) -> Iterator[Bucket]:
+        first = last - len(self.slots) + 1
+        return (b for b in self.slots if b is not None and first <= b.index <= last)
+
+
+@dataclass(slots=True)
+class KeyState:
+    rings: dict[str, Ring]
+    watermark: float = -math.inf  # epoch seconds of the newest event time seen
+    calibration: tuple[float, str] | None = None  # (event time, version) of the latest
+
+    def num_buckets(self) -> dict[str, int]:
+        return {w: sum(b is not None for b in r.slots) for w, r in self.rings.items()}
+
+
+@dataclass(slots=True)
+class State:
+    config: FoldConfig
+    keys: dict[Key, KeyState] = field(default_factory=dict)
+    events_applied: int = 0
+    late_dropped: int = 0
+
+    def watermark(self, key: Key) -> datetime | None:
+        found = self.keys.get(key)
+        return None if found is None else datetime.fromtimestamp(found.watermark, UTC)
+
+
+def new_state(config: FoldConfig | None = None) -> State:
+    return State(config=config or FoldConfig())
+
+
+def _new_key(config: FoldConfig) -> KeyState:
+    return KeyState(
+        rings={
+            w: Ring(bucket_s=size, slots=[None] * config.ring_size(w))
+            for w, size in config.bucket_s.items()
+        }
+    )
+
+
+def apply(state: State, events: Iterable[TelemetryEvent]) -> State:
+    """Fold `events` into `state` (updated in place and returned); O(1) work per event."""
+    for event in events:
+        _apply_one(state, event)
+    return state
+
+
+def _apply_one(state: State, event: TelemetryEvent) -> None:
+    key = (event.model, event.level)
+    entry = state.keys.get(key)
+    if entry is None:
+        entry = state.keys[key] = _new_key(state.config)
+    at = event.time.timestamp()
+    if at < entry.watermark - state.config.lateness_s:
+        state.late_dropped += 1
+        return
+    entry.watermark = max(entry.watermark, at)
+    obs = observe(event, state.config)
+    if not obs.is_error and event.calibration_version is not None:
+        entry.calibration = max(entry.calibration or (at, ""), (at, event.calibration_version))
+    for ring in entry.rings.values():
+        bucket = ring.bucket_for(math.floor(at / ring.bucket_s))
+        if bucket is not None:
+            bucket.add(obs)
+    state.events_applied += 1
+
+
+def drop_keys(state: State, keep: Callable[[Key], bool]) -> None:
+    """Forget the keys this member no longer owns (after a consumer-group rebalance)."""
+    for key in [k for k in state.keys if not keep(k)]:
+        del state.keys[key]
+
+
+def merge(a: State, b: State) -> State:
+    """A new state holding both partial states (inputs untouched). Equals folding both event
+    streams into one state when no event of one would have been late against the other's
+    watermark. The alternative to partition-key ownership: members fold, a reader merges."""
+    if a.config != b.config:
+        raise ValueError("merge needs states built with the same FoldConfig")
+    out = copy.deepcopy(a)
+    out.events_applied += b.events_applied
+    out.late_dropped += b.late_dropped
+    for key, theirs in b.keys.items():
+        mine = out.keys.get(key)
+        if mine is None:
+            out.keys[key] = copy.deepcopy(theirs)
+        else:
+            _merge_key(mine, theirs)
+    return out
+
+
+def _merge_key(mine: KeyState, theirs: KeyState) -> None:
+    mine.watermark = max(mine.watermark, theirs.watermark)
+    if theirs.calibration is not None:
+        mine.calibration = max(mine.calibration or theirs.calibration, theirs.calibration)
+    for window, ring in mine.rings.items():
+        for slot, other in enumerate(theirs.rings[window].slots):
+            bucket = ring.slots[slot]
+            if other is None or (bucket is not None and bucket.index > other.index):
+                continue
+            if bucket is not None and bucket.index == other.index:
+                bucket.merge(other)
+            else:
+                ring.slots[slot] = copy.deepcopy(other)
+
+
+@dataclass(frozen=True, slots=True)
+class WindowSummary:
+    window: str
+    start: datetime
+    end: datetime
+    requests: int
+    errors: int
+    error_rate: float
+    sparsity_mean: float | None
+    sparsity_target: float | None
+    gate_confidence_mean: float | None
+    gate_outside_band_share: float | None
+    activation_stability_mean: float | None
+    drift_kl_mean: float | None
+    drift_samples: int
+    silence_rate_per_layer: list[float]
+    silence_spikes: int
+    trust_actions: dict[str, int]
+    cache_hit_rate_mean: float | None
+    ttft_ms: Quantiles | None
+    latency_ms: Quantiles | None
+    calibration_version: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: times as ISO 8601 UTC with Z, quantiles as nested objects."""
+        out: dict[str, Any] = {}
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if isinstance(value, datetime):
+                value = value.isoformat().replace("+00:00", "Z")
+            elif isinstance(value, Quantiles):
+                value = value.to_dict()
+            elif isinstance(value, list | dict):
+                value = copy.copy(value)
+            out[item.name] = value
+        return out
+
+
+def snapshot(
+    state: State, now: datetime, targets: Mapping[str, float] | None = None
+) -> dict[Key, dict[str, WindowSummary]]:
+    """Every key's summary per window at `now` (timezone-aware). `targets` maps a calibration
+    version to its calibrated sparsity target, read for the key's latest version."""
+    if now.tzinfo is None:
+        raise ValueError("now must be timezone-aware (pass datetime.now(UTC))")
+    at = now.timestamp()
+    return {
+        key: {w: _summarize(w, ring, entry, at, targets or {}) for w, ring in entry.rings.items()}
+        for key, entry in state.keys.items()
+    }
+
+
+def _summarize(
+    window: str, ring: Ring, entry: KeyState, at: float, targets: Mapping[str, float]
+) -> WindowSummary:
+    last = math.floor(at / ring.bucket_s)
+    total = Bucket(last)
+    for bucket in ring.covering(last):
+        total.merge(bucket)
+    version = entry.calibration[1] if entry.calibration else None
+    outside = total.gate_outside / total.counts[_GATE] if total.counts[_GATE] else None
+    silence = zip(total.silence_sums, total.silence_counts, strict=True)
+    return WindowSummary(
+        window=window,
+        start=_utc((last - len(ring.slots) + 1) * ring.bucket_s),
+        end=_utc((last + 1) * ring.bucket_s),
+        requests=total.requests,
+        errors=total.errors,
+        error_rate=total.errors / total.requests if total.requests else 0.0,
+        sparsity_mean=total.mean(_SPARSITY),
+        sparsity_target=targets.get(version) if version is not None else None,
+        gate_confidence_mean=total.mean(_GATE),
+        gate_outside_band_share=outside,
+        activation_stability_mean=total.mean(_STABILITY),
+        drift_kl_mean=total.mean(_DRIFT),
+        drift_samples=total.counts[_DRIFT],
+        silence_rate_per_layer=[s / n if n else 0.0 for s, n in silence],
+        silence_spikes=total.spikes,
+        trust_actions=dict(total.trust_actions),
+        cache_hit_rate_mean=total.mean(_CACHE),
+        ttft_ms=total.ttft.quantiles(),
+        latency_ms=total.latency.quantiles(),
+        calibration_version=version,
+    )
+
+
+def _utc(epoch_s: float) -> datetime:
+    return datetime.fromtimestamp(epoch_s, UTC)
+
+
+def synthetic_events(num_events: int, seed: int = 0) -> list[TelemetryEvent]:
+    """Plausible events for benchmarks and tests: 4 keys, one every 50 ms, 30 layers, 2% errors."""
+    rng = random.Random(seed)
+    start = datetime(2025, 1, 1, tzinfo=UTC)
+    return [
+        _synthetic_event(rng, i, start + timedelta(milliseconds=50 * i)) for i in range(num_events)
+    ]
+
+
+def _synthetic_event(rng: random.Random, i: int, at: datetime) -> TelemetryEvent:
+    ok = rng.random() > 0.02
+    common: dict[str, Any] = {
+        "trace_id": f"synthetic-{i}",
+        "time": at,
+        "model": "synthetic-model",
+        "calibration_version": "cal-1",
+        "level": ("conservative", "balanced", "aggressive", "dense")[i % 4],
+        "mode": "serve",
+        "api": "openai",
+        "status": "ok" if ok else "error",
+    }
+    if not ok:
+        return TelemetryEvent(**common)
+    return TelemetryEvent(
+        **common,
+        sparsity_ratio=rng.uniform(0.4, 0.7),
+        gate_confidence=rng.uniform(0.7, 0.95),
+        activation_stability_pct=rng.uniform(0, 8),
+        silence_rate_per_layer=[rng.random() for _ in range(30)],
+        semantic_drift_kl=rng.uniform(0, 1) if rng.random() < 0.1 else None,
+        ttft_ms=rng.lognormvariate(4, 1),
+        total_ms=rng.lognormvariate(7, 1),
+        cache_hit_rate=rng.random(),
+        trust_action=rng.choice(("none", "none", "flag")),
+    )
+
+
+def fold_throughput(num_events: int) -> float:
+    """Events per second of `apply` over `num_events` synthetic events (built before timing)."""
+    if num_events < 1:
+        raise ValueError("num_events must be at least 1")
+    events = synthetic_events(num_events)
+    state = new_state()
+    started = time.perf_counter()
+    apply(state, events)
+    return num_events / (time.perf_counter() - started)

@@ -1,0 +1,137 @@
+"""Reads and writes the aggregator, alerts and jobs share, as plain functions of a `Session`.
+They never commit: the caller owns the transaction (`with factory.begin() as session: ...`)."""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from services.storage.models import (
+    TRACE_ID_LENGTH,
+    Base,
+    CalibrationRecord,
+    RequestSummary,
+    WindowSnapshot,
+)
+
+
+def _insert(session: Session, entity: type[Base]) -> postgresql.Insert | sqlite.Insert:
+    """The dialect's INSERT, which has ON CONFLICT (the generic one does not)."""
+    dialect = session.get_bind().dialect.name
+    if dialect == "postgresql":
+        return postgresql.insert(entity)
+    if dialect == "sqlite":
+        return sqlite.insert(entity)
+    raise ValueError(f"unsupported database dialect {dialect!r}: use SQLite or PostgreSQL")
+
+
+def _finite(row: dict[str, Any]) -> dict[str, Any]:
+    """NaN and infinities stored as NULL (missing), as the window fold treats them: SQLite
+    would turn NaN into NULL but PostgreSQL keeps it, and one NaN poisons every AVG()."""
+    return {
+        key: None if isinstance(value, float) and not math.isfinite(value) else value
+        for key, value in row.items()
+    }
+
+
+def _first_per_trace(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows with a valid trace id, the first of each trace id kept (in-batch replays)."""
+    unique: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        trace_id = row.get("trace_id")
+        if not isinstance(trace_id, str) or not 0 < len(trace_id) <= TRACE_ID_LENGTH:
+            raise ValueError(f"trace_id must be 1-{TRACE_ID_LENGTH} characters, got {trace_id!r}")
+        if trace_id not in unique:
+            unique[trace_id] = _finite(row)
+    return list(unique.values())
+
+
+def insert_summaries(session: Session, rows: list[dict[str, Any]]) -> set[str]:
+    """Insert request summaries, skipping trace ids already stored or repeated in `rows` (the
+    first one wins); returns the trace ids that were new, so a replay never counts twice.
+    Raises ValueError for a trace id the column cannot hold (empty or over 64 characters)."""
+    unique = _first_per_trace(rows)
+    if not unique:
+        return set()
+    statement = (
+        _insert(session, RequestSummary)
+        .on_conflict_do_nothing(index_elements=[RequestSummary.trace_id])
+        .returning(RequestSummary.trace_id)
+    )
+    return set(session.scalars(statement, unique))
+
+
+def summaries_since(
+    session: Session, since: datetime, partitions: set[int] | None = None
+) -> list[RequestSummary]:
+    """Summaries with `time >= since`, oldest first; only those partitions when given."""
+    statement = select(RequestSummary).where(RequestSummary.time >= since)
+    if partitions is not None:
+        statement = statement.where(RequestSummary.partition.in_(partitions))
+    return list(session.scalars(statement.order_by(RequestSummary.time, RequestSummary.id)))
+
+
+def count_summaries(session: Session, model: str | None = None, level: str | None = None) -> int:
+    statement = select(func.count()).select_from(RequestSummary)
+    if model is not None:
+        statement = statement.where(RequestSummary.model == model)
+    if level is not None:
+        statement = statement.where(RequestSummary.level == level)
+    return session.scalar(statement) or 0
+
+
+def save_snapshots(session: Session, rows: list[dict[str, Any]]) -> None:
+    session.add_all(WindowSnapshot(**row) for row in rows)
+    session.flush()
+
+
+def latest_snapshots(session: Session, model: str, level: str) -> list[WindowSnapshot]:
+    """The newest snapshot of each window of `model` and `level`, ordered by window name."""
+    ranked = (
+        select(
+            WindowSnapshot.id,
+            func.row_number()
+            .over(
+                partition_by=WindowSnapshot.window,
+                order_by=(
+                    WindowSnapshot.window_end.desc(),
+                    WindowSnapshot.taken_at.desc(),
+                    WindowSnapshot.id.desc(),
+                ),
+            )
+            .label("rank"),
+        )
+        .where(WindowSnapshot.model == model, WindowSnapshot.level == level)
+        .subquery()
+    )
+    statement = (
+        select(WindowSnapshot)
+        .join(ranked, ranked.c.id == WindowSnapshot.id)
+        .where(ranked.c.rank == 1)
+        .order_by(WindowSnapshot.window)
+    )
+    return list(session.scalars(statement))
+
+
+def upsert_calibration(session: Session, record: dict[str, Any]) -> None:
+    """Insert a calibration version, or overwrite every field of the stored one."""
+    statement = _insert(session, CalibrationRecord).values(**record)
+    updates = {key: statement.excluded[key] for key in record if key != "version"}
+    if updates:
+        statement = statement.on_conflict_do_update(
+            index_elements=[CalibrationRecord.version], set_=updates
+        )
+    else:
+        statement = statement.on_conflict_do_nothing(index_elements=[CalibrationRecord.version])
+    session.execute(statement)
+
+
+def calibration_targets(session: Session) -> dict[str, float]:
+    """Calibration version -> the sparsity it targeted."""
+    rows = session.execute(select(CalibrationRecord.version, CalibrationRecord.target_sparsity))
+    return {version: target for version, target in rows}
