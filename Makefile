@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(SG) bench engine
 	$(SG) bench quality --data wiki --tokens 8192
 	$(SG) bench gateway
+	$(SG) bench pipeline
 
 fmt: $(STAMP)
 	$(VENV)/bin/ruff format .

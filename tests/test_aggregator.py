@@ -12,6 +12,8 @@ from kafka import KafkaConsumer
 from services.aggregator.http import create_http_app
 from services.broker import Broker
 from services.serving import serve
+from services.storage.db import make_engine, session_factory
+from services.storage.repository import upsert_calibration
 from tests.aggregator_fixtures import (
     KEYS,
     event,
@@ -41,6 +43,7 @@ def test_two_members_split_partitions_and_hand_over(kafka_broker: Broker, tmp_pa
         wait_until(lambda: b.owned == {0, 1, 2, 3})
         produce(settings, [event(m, lv) for m, lv in KEYS for _ in range(5)], key_partition)
         wait_until(lambda: window_requests(b) == 60)
+        assert b.persist_snapshots() == 4 * 3  # every key, every window
     assert stored(settings) == 60
 
 
@@ -90,6 +93,21 @@ def test_malformed_events_are_dead_lettered_and_windows_served(
     )
     raw.flush(10)
     raw.close()
+    with session_factory(make_engine(settings.database_url)).begin() as session:
+        upsert_calibration(
+            session,
+            {
+                "version": "m1-balanced-v1",
+                "model_id": "m1",
+                "level": "balanced",
+                "weights_sha256": "x",
+                "target_sparsity": 0.45,
+                "realised_sparsity": 0.44,
+                "perplexity_change_pct": 1.5,
+                "reason": "cli",
+                "artefact": {},
+            },
+        )
     aggregator = new_aggregator(settings)
     with running(aggregator):
         wait_until(
@@ -118,6 +136,7 @@ def test_malformed_events_are_dead_lettered_and_windows_served(
     )
     five = windows["keys"][0]["windows"]["5m"]
     assert five["requests"] == 1 and abs(five["sparsity_mean"] - 0.4) < 1e-9
+    assert five["sparsity_target"] == 0.45  # from the calibration registered in SQL
     assert (
         'sparseguard_window_sparsity_ratio{level="balanced",model="m1",window="5m"} 0.4' in metrics
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -22,7 +23,12 @@ from services.aggregator import windows
 from services.aggregator.metrics import AggregatorMetrics
 from services.aggregator.records import KafkaRecord, dead_letter_headers, parse_records, summary_row
 from services.config import Settings
-from services.storage.repository import calibration_targets, insert_summaries, summaries_since
+from services.storage.repository import (
+    calibration_targets,
+    insert_summaries,
+    save_snapshots,
+    summaries_since,
+)
 from services.telemetry.schema import TelemetryEvent
 
 log = logging.getLogger(__name__)
@@ -50,6 +56,9 @@ class Aggregator:
         self.owned: set[int] = set()
         self.targets: dict[str, float] = {}
         self.folded = 0
+        # event time -> fold time of recent events, for the pipeline benchmark and /windows
+        self.recent_latency_s: deque[float] = deque(maxlen=10_000)
+        self._last_snapshot = time.monotonic()
 
     def run(self, stop: threading.Event, ready: threading.Event | None = None) -> None:
         consumer = self._consumer()
@@ -64,6 +73,11 @@ class Aggregator:
                 if records:
                     self.handle(records, dead_letters)
                     consumer.commit()
+                if (
+                    time.monotonic() - self._last_snapshot
+                    > self.settings.aggregator.snapshot_interval_s
+                ):
+                    self.persist_snapshots()
                 if time.monotonic() - last_lag > LAG_INTERVAL_S:
                     self._report_lag(consumer)
                     last_lag = time.monotonic()
@@ -100,6 +114,28 @@ class Aggregator:
         self.metrics.histogram("aggregator_batch_seconds").observe(time.perf_counter() - started)
         return len(fresh)
 
+    def persist_snapshots(self) -> int:
+        """Store the owned keys' current windows (history for dashboards and alerts), and
+        pick up calibration targets registered since."""
+        self._last_snapshot = time.monotonic()
+        with self.sessions() as session:
+            self.targets = calibration_targets(session)
+        rows = [
+            {
+                "model": model,
+                "level": level,
+                "window": name,
+                "window_end": summary.end,
+                "data": summary.to_dict(),
+            }
+            for (model, level), by_window in self.snapshot().items()
+            for name, summary in by_window.items()
+        ]
+        if rows:
+            with self.sessions.begin() as session:
+                save_snapshots(session, rows)
+        return len(rows)
+
     def snapshot(self) -> dict[tuple[str, str], dict[str, windows.WindowSummary]]:
         with self.lock:
             return windows.snapshot(self.state, datetime.now(UTC), self.targets)
@@ -132,7 +168,9 @@ class Aggregator:
             windows.apply(self.state, events)
             late = self.state.late_dropped - late_before
         self.metrics.counter("events_late_total").inc(late)
-        self.metrics.observe(events, datetime.now(UTC))
+        now = datetime.now(UTC)
+        self.metrics.observe(events, now)
+        self.recent_latency_s.extend((now - e.time).total_seconds() for e in events)
         self.folded += len(events)
 
     def _consumer(self) -> KafkaConsumer:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from services.cli import bench_gateway
+from services.cli import bench_gateway, bench_pipeline
 from services.cli.common import emit, emit_json, engine
 from services.config import Settings
 from sparse_engine import corpora
@@ -44,6 +44,7 @@ def register(commands: Any) -> None:
     e.add_argument("--json", action="store_true")
     e.set_defaults(handler=run_engine)
     bench_gateway.register(bench)
+    bench_pipeline.register(bench)
 
 
 def run_quality(args: argparse.Namespace, settings: Settings) -> int:
