@@ -71,6 +71,25 @@ class AggregatorSettings(BaseModel):
     heartbeat_interval_ms: int = Field(500, ge=100)
 
 
+class WebhookReceiver(BaseModel):
+    name: str
+    url: str
+    # Standard Webhooks secret, "whsec_" + base64; never logged.
+    secret: SecretStr
+    timeout_s: float = Field(5.0, gt=0)
+
+
+class AlertSettings(BaseModel):
+    rules_file: Path | None = None  # default: the packaged alerts/default_rules.yaml
+    evaluation_interval_s: float = Field(15.0, gt=0)
+    repeat_interval_s: float = Field(4 * 3600.0, gt=0)
+    group_by: list[str] = Field(default_factory=lambda: ["alertname", "model"])
+    receivers: list[WebhookReceiver] = Field(default_factory=list)
+    max_attempts: int = Field(8, ge=1)
+    backoff_base_s: float = Field(1.0, gt=0)
+    backoff_max_s: float = Field(300.0, gt=0)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPARSEGUARD_", env_nested_delimiter="__")
 
@@ -81,6 +100,7 @@ class Settings(BaseSettings):
     telemetry: TelemetrySettings = Field(default_factory=lambda: TelemetrySettings())
     storage: StorageSettings = Field(default_factory=lambda: StorageSettings())
     aggregator: AggregatorSettings = Field(default_factory=lambda: AggregatorSettings())
+    alerts: AlertSettings = Field(default_factory=lambda: AlertSettings())
 
     @property
     def calibrations_dir(self) -> Path:
