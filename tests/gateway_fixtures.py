@@ -39,6 +39,7 @@ class GatedEngine(Engine):
         self.gate = threading.Event()
         self.token_delay_s = token_delay_s
         self.generations: list[Generation] = []
+        self.entered = 0
         if open_gate:
             self.gate.set()
 
@@ -47,6 +48,7 @@ class GatedEngine(Engine):
         return delta
 
     def generate(self, request: GenerationRequest, level: Level = Level.DENSE) -> Generation:
+        self.entered += 1
         self.gate.wait(30)
         generation = super().generate(request, level)
         inner = generation._deltas

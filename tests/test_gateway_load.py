@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -15,6 +16,18 @@ from tests.tiny import tiny_engine
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
+def queue_depth(url: str) -> int:
+    return int(httpx.get(f"{url}/admin/status").json()["queue_depth"])
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met in time")
+        time.sleep(0.05)
+
+
 def test_full_queue_answers_429_with_retry_after(tmp_path: Path) -> None:
     engine = GatedEngine(tiny_engine())
     gateway = running_gateway(settings_for(tmp_path, queue_size=1), engine, RecordingSink())
@@ -22,8 +35,9 @@ def test_full_queue_answers_429_with_retry_after(tmp_path: Path) -> None:
         # one request holds the worker, one waits in the queue: the rest are refused
         post = f"{url}/v1/chat/completions"
         held = [pool.submit(httpx.post, post, json=BODY, timeout=30) for _ in range(2)]
-        time.sleep(0.5)
-        refused = httpx.post(post, json=BODY)
+        # wait until one request is held inside the engine and the other waits in the queue
+        wait_for(lambda: engine.entered == 1 and queue_depth(url) == 1)
+        refused = httpx.post(post, json=BODY, timeout=30)
         engine.gate.set()
         statuses = sorted(f.result().status_code for f in held)
     assert refused.status_code == 429
