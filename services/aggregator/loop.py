@@ -19,7 +19,9 @@ from typing import Any
 from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer, TopicPartition
 from sqlalchemy.orm import Session, sessionmaker
 
+from alerts.samples import pipeline_sample
 from services.aggregator import windows
+from services.aggregator.alerting import AlertLoop
 from services.aggregator.metrics import AggregatorMetrics
 from services.aggregator.records import KafkaRecord, dead_letter_headers, parse_records, summary_row
 from services.config import Settings
@@ -43,6 +45,7 @@ class Aggregator:
         sessions: sessionmaker[Session],
         metrics: AggregatorMetrics,
         after_persist: Hook | None = None,
+        alerting: AlertLoop | None = None,
     ) -> None:
         self.settings = settings
         self.sessions = sessions
@@ -59,6 +62,9 @@ class Aggregator:
         # event time -> fold time of recent events, for the pipeline benchmark and /windows
         self.recent_latency_s: deque[float] = deque(maxlen=10_000)
         self._last_snapshot = time.monotonic()
+        self.alerting = alerting  # evaluates the windows this member owns
+        self._last_evaluation = 0.0
+        self.lag_total: float | None = None
 
     def run(self, stop: threading.Event, ready: threading.Event | None = None) -> None:
         consumer = self._consumer()
@@ -73,11 +79,7 @@ class Aggregator:
                 if records:
                     self.handle(records, dead_letters)
                     consumer.commit()
-                if (
-                    time.monotonic() - self._last_snapshot
-                    > self.settings.aggregator.snapshot_interval_s
-                ):
-                    self.persist_snapshots()
+                self._periodic()
                 if time.monotonic() - last_lag > LAG_INTERVAL_S:
                     self._report_lag(consumer)
                     last_lag = time.monotonic()
@@ -136,6 +138,21 @@ class Aggregator:
                 save_snapshots(session, rows)
         return len(rows)
 
+    def _periodic(self) -> None:
+        now = time.monotonic()
+        if now - self._last_snapshot > self.settings.aggregator.snapshot_interval_s:
+            self.persist_snapshots()
+        if now - self._last_evaluation > self.settings.alerts.evaluation_interval_s:
+            self.evaluate_alerts()
+
+    def evaluate_alerts(self) -> int:
+        """Run the alert rules over the owned windows and the pipeline figures."""
+        self._last_evaluation = time.monotonic()
+        if self.alerting is None:
+            return 0
+        pipeline = [pipeline_sample("consumer_lag_events", self.lag_total, component="aggregator")]
+        return len(self.alerting.tick(self.snapshot(), pipeline))
+
     def snapshot(self) -> dict[tuple[str, str], dict[str, windows.WindowSummary]]:
         with self.lock:
             return windows.snapshot(self.state, datetime.now(UTC), self.targets)
@@ -192,11 +209,12 @@ class Aggregator:
         if not assigned:
             return
         ends = consumer.end_offsets(list(assigned))
+        total = 0
         for tp in assigned:
-            position = consumer.position(tp)
-            self.metrics.gauge("aggregator_consumer_lag_events").labels(str(tp.partition)).set(
-                ends[tp] - position
-            )
+            lag = ends[tp] - consumer.position(tp)
+            total += lag
+            self.metrics.gauge("aggregator_consumer_lag_events").labels(str(tp.partition)).set(lag)
+        self.lag_total = float(total)
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]

@@ -1,0 +1,49 @@
+"""What the evaluator reads: `Sample`s, one per (model, level, window) from the aggregator's
+window snapshot, plus pipeline samples built by whoever watches the pipeline."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from alerts.definitions import PIPELINE_METRICS, WINDOW_METRICS
+from services.aggregator.windows import WindowSummary
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One labelled set of values; None (or a value that is not finite) means no data."""
+
+    labels: dict[str, str]
+    values: dict[str, float | None]
+
+
+def samples_from_windows(
+    snapshot: Mapping[tuple[str, str], Mapping[str, WindowSummary]],
+) -> list[Sample]:
+    """One sample per (model, level, window) with the numeric `WindowSummary` fields."""
+    return [
+        Sample(
+            labels={"model": model, "level": level, "window": window},
+            values={name: _number(getattr(summary, name)) for name in WINDOW_METRICS},
+        )
+        for (model, level), by_window in snapshot.items()
+        for window, summary in by_window.items()
+    ]
+
+
+def pipeline_sample(metric: str, value: float | None, **labels: str) -> Sample:
+    """A sample of one pipeline metric, e.g. `pipeline_sample("consumer_lag_events", 12,
+    partition="0")`."""
+    if metric not in PIPELINE_METRICS:
+        raise ValueError(
+            f"unknown pipeline metric {metric!r}; one of {', '.join(PIPELINE_METRICS)}"
+        )
+    return Sample(labels=dict(labels), values={metric: _number(value)})
+
+
+def _number(value: object) -> float | None:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    return float(value) if math.isfinite(value) else None

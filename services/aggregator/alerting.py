@@ -1,0 +1,122 @@
+"""Alert evaluation where the complete windows are: every interval, the owned windows (and
+pipeline figures) go through the pure evaluator; transitions are stored as alert history,
+notifications go to the webhook outbox in the same transaction (a crash never loses one), and
+job actions are recorded as queued job runs."""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime
+from typing import cast
+
+from prometheus_client import CollectorRegistry, Counter
+from sqlalchemy.orm import Session, sessionmaker
+
+from alerts.evaluator import EvalState, Sample, Transition, evaluate, group, samples_from_windows
+from alerts.outbox import enqueue
+from alerts.payload import AlertNotice, build_payload
+from alerts.rules import DEFAULT_RULES, Rule, load_rules
+from alerts.templates import render_all
+from services.aggregator.windows import WindowSummary
+from services.config import AlertSettings
+from services.metrics_table import MetricSpec, declare
+from services.storage.models import AlertRecord, JobRun
+
+log = logging.getLogger(__name__)
+JOB_ACTIONS = ("recalibrate", "flag_finetune")
+Snapshot = dict[tuple[str, str], dict[str, WindowSummary]]
+ALERTING_METRICS = (
+    MetricSpec("alert_transitions_total", Counter, "Alert state changes", ("alertname", "state")),
+    MetricSpec("alert_actions_total", Counter, "Actions requested by alerts", ("action",)),
+)
+
+
+class AlertLoop:
+    def __init__(
+        self,
+        settings: AlertSettings,
+        sessions: sessionmaker[Session],
+        registry: CollectorRegistry,
+        external_url: str = "http://127.0.0.1:8001",
+    ) -> None:
+        self.settings = settings
+        self.sessions = sessions
+        self.rules: list[Rule] = load_rules(settings.rules_file or DEFAULT_RULES)
+        self.state = EvalState()
+        self.external_url = external_url
+        metrics = declare(registry, ALERTING_METRICS)
+        self.transitions_total = cast(Counter, metrics["alert_transitions_total"])
+        self.actions_total = cast(Counter, metrics["alert_actions_total"])
+
+    def tick(
+        self, snapshot: Snapshot, pipeline: list[Sample], now: datetime | None = None
+    ) -> list[Transition]:
+        """One evaluation: returns the transitions, already stored and queued."""
+        now = now or datetime.now(UTC)
+        samples = samples_from_windows(snapshot) + pipeline
+        self.state, transitions = evaluate(
+            self.state, self.rules, samples, now, self.settings.repeat_interval_s
+        )
+        if transitions:
+            with self.sessions.begin() as session:
+                self._store(session, transitions, now)
+        return transitions
+
+    def _store(self, session: Session, transitions: list[Transition], now: datetime) -> None:
+        for t in transitions:
+            self.transitions_total.labels(t.rule.name, t.state).inc()
+            session.add(_history(t, now))
+            if t.notify and t.state == "firing":
+                self._actions(session, t)
+        notify = [t for t in transitions if t.notify and "webhook" in t.rule.actions]
+        for key, members in group(notify, self.settings.group_by).items():
+            group_labels = dict(zip(self.settings.group_by, key, strict=False))
+            for receiver in self.settings.receivers:
+                payload = build_payload(
+                    receiver.name,
+                    [_notice(t, self.external_url) for t in members],
+                    group_labels,
+                    self.external_url,
+                )
+                enqueue(session, receiver.name, members[0].fingerprint, payload)
+
+    def _actions(self, session: Session, t: Transition) -> None:
+        for action in t.rule.actions:
+            if action in JOB_ACTIONS:
+                self.actions_total.labels(action).inc()
+                session.add(
+                    JobRun(
+                        kind=action,
+                        status="queued",
+                        reason=f"alert:{t.rule.name}",
+                        params={"labels": t.labels, "fingerprint": t.fingerprint},
+                    )
+                )
+                log.warning("alert %s requests %s for %s", t.rule.name, action, t.labels)
+
+
+def _history(t: Transition, now: datetime) -> AlertRecord:
+    return AlertRecord(
+        fingerprint=t.fingerprint,
+        name=t.rule.name,
+        state=t.state,
+        severity=t.rule.severity,
+        labels=t.labels,
+        annotations=render_all(t.rule.annotations, t.labels, t.value),
+        value=t.value,
+        starts_at=t.active_since,
+        ends_at=now if t.state == "resolved" else None,
+        updated_at=now,
+    )
+
+
+def _notice(t: Transition, external_url: str) -> AlertNotice:
+    return AlertNotice(
+        status="resolved" if t.state == "resolved" else "firing",
+        labels=dict(t.labels),
+        annotations=render_all(t.rule.annotations, t.labels, t.value),
+        starts_at=t.active_since,
+        ends_at=t.at if t.state == "resolved" else None,
+        fingerprint=t.fingerprint,
+        generator_url=f"{external_url}/windows",
+    )
