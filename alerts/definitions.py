@@ -18,13 +18,14 @@ WINDOW_METRICS = (
     "gate_confidence_mean",
     "gate_outside_band_share",
     "activation_stability_mean",
+    "gate_entropy_mean",
     "drift_kl_mean",
     "drift_samples",
     "silence_spikes",
     "cache_hit_rate_mean",
 )
 # Samples without a window, produced by whoever watches the pipeline.
-PIPELINE_METRICS = ("consumer_lag_events", "spool_bytes", "golden_check_age_s", "gate_entropy_mean")
+PIPELINE_METRICS = ("consumer_lag_events", "spool_bytes", "golden_check_age_s")
 WINDOWS = ("5m", "1h", "24h")
 ACTIONS = ("webhook", "recalibrate", "flag_finetune", "fallback")
 # Set by the rule itself, so `labels` may not override them.

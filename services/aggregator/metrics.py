@@ -24,6 +24,7 @@ WINDOW_GAUGES = {
     "gate_confidence_mean": "sparseguard_window_gate_confidence_ratio",
     "gate_outside_band_share": "sparseguard_window_gate_outside_band_ratio",
     "activation_stability_mean": "sparseguard_window_activation_stability_percent",
+    "gate_entropy_mean": "sparseguard_window_gate_entropy_ratio",
     "drift_kl_mean": "sparseguard_window_semantic_drift_kl",
     "silence_spikes": "sparseguard_window_silence_spikes",
     "cache_hit_rate_mean": "sparseguard_window_cache_hit_ratio",

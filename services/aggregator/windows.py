@@ -42,8 +42,9 @@ MEAN_FIELDS = (
     "activation_stability_pct",
     "semantic_drift_kl",
     "cache_hit_rate",
+    "gate_entropy",
 )
-_SPARSITY, _GATE, _STABILITY, _DRIFT, _CACHE = range(len(MEAN_FIELDS))
+_SPARSITY, _GATE, _STABILITY, _DRIFT, _CACHE, _ENTROPY = range(len(MEAN_FIELDS))
 Key = tuple[str, str]  # (model, level), the telemetry partition key
 
 
@@ -306,6 +307,7 @@ class WindowSummary:
     gate_confidence_mean: float | None
     gate_outside_band_share: float | None
     activation_stability_mean: float | None
+    gate_entropy_mean: float | None  # normalised saliency entropy; > 0.95 = gate degraded
     drift_kl_mean: float | None
     drift_samples: int
     silence_rate_per_layer: list[float]
@@ -367,6 +369,7 @@ def _summarize(
         gate_confidence_mean=total.mean(_GATE),
         gate_outside_band_share=outside,
         activation_stability_mean=total.mean(_STABILITY),
+        gate_entropy_mean=total.mean(_ENTROPY),
         drift_kl_mean=total.mean(_DRIFT),
         drift_samples=total.counts[_DRIFT],
         silence_rate_per_layer=[s / n if n else 0.0 for s, n in silence],
@@ -411,6 +414,7 @@ def _synthetic_event(rng: random.Random, i: int, at: datetime) -> TelemetryEvent
         sparsity_ratio=rng.uniform(0.4, 0.7),
         gate_confidence=rng.uniform(0.7, 0.95),
         activation_stability_pct=rng.uniform(0, 8),
+        gate_entropy=rng.uniform(0.85, 0.97),
         silence_rate_per_layer=[rng.random() for _ in range(30)],
         semantic_drift_kl=rng.uniform(0, 1) if rng.random() < 0.1 else None,
         ttft_ms=rng.lognormvariate(4, 1),
