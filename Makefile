@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 SG := $(VENV)/bin/sparseguard
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench fmt clean
+.PHONY: run test lint bench fmt clean promtool
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -17,8 +17,13 @@ run: $(STAMP)
 	$(SG) calibrate --level all --if-missing
 	$(SG) probe
 
-test: $(STAMP)
+test: $(STAMP) promtool
 	$(PY) -m pytest -q
+
+# The exported Prometheus rules are checked with promtool (Debian package `prometheus`).
+promtool:
+	@command -v promtool >/dev/null || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -32,11 +32,12 @@ def test_full_queue_answers_429_with_retry_after(tmp_path: Path) -> None:
     engine = GatedEngine(tiny_engine())
     gateway = running_gateway(settings_for(tmp_path, queue_size=1), engine, RecordingSink())
     with gateway as url, concurrent.futures.ThreadPoolExecutor(4) as pool:
-        # one request holds the worker, one waits in the queue: the rest are refused
         post = f"{url}/v1/chat/completions"
-        held = [pool.submit(httpx.post, post, json=BODY, timeout=30) for _ in range(2)]
-        # wait until one request is held inside the engine and the other waits in the queue
-        wait_for(lambda: engine.entered == 1 and queue_depth(url) == 1)
+        # one request is held inside the engine, then a second waits in the queue
+        held = [pool.submit(httpx.post, post, json=BODY, timeout=30)]
+        wait_for(lambda: engine.entered == 1 and queue_depth(url) == 0)
+        held.append(pool.submit(httpx.post, post, json=BODY, timeout=30))
+        wait_for(lambda: queue_depth(url) == 1)
         refused = httpx.post(post, json=BODY, timeout=30)
         engine.gate.set()
         statuses = sorted(f.result().status_code for f in held)
