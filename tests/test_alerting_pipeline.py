@@ -107,6 +107,10 @@ def test_low_sparsity_fires_alert_queues_job_and_delivers_signed_webhook(
     assert payload["version"] == "4" and payload["status"] == "firing"
     assert payload["alerts"][0]["labels"]["alertname"] == "SparsityBelowTarget"
     assert payload["alerts"][0]["labels"]["model"] == "m1"
+    assert (
+        registry.get_sample_value("sparseguard_alert_actions_total", {"action": "recalibrate"})
+        == 1.0
+    )
     delivered = registry.get_sample_value(
         "sparseguard_webhook_deliveries_total", {"receiver": "ops", "outcome": "delivered"}
     )

@@ -81,9 +81,14 @@ class AlertLoop:
                 enqueue(session, receiver.name, members[0].fingerprint, payload)
 
     def _actions(self, session: Session, t: Transition) -> None:
+        """Every non-webhook action is counted and logged; job actions are also stored as
+        queued job runs. (`fallback` is a per-request gateway decision; here it is recorded.)"""
         for action in t.rule.actions:
+            if action == "webhook":
+                continue
+            self.actions_total.labels(action).inc()
+            log.warning("alert %s requests %s for %s", t.rule.name, action, t.labels)
             if action in JOB_ACTIONS:
-                self.actions_total.labels(action).inc()
                 session.add(
                     JobRun(
                         kind=action,
@@ -92,7 +97,6 @@ class AlertLoop:
                         params={"labels": t.labels, "fingerprint": t.fingerprint},
                     )
                 )
-                log.warning("alert %s requests %s for %s", t.rule.name, action, t.labels)
 
 
 def _history(t: Transition, now: datetime) -> AlertRecord:

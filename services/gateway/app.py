@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import httpx
+import torch
 from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry
 
@@ -84,6 +85,8 @@ async def _start(
 
 
 def build_engine(settings: Settings) -> Engine:
+    if settings.engine.threads:
+        torch.set_num_threads(settings.engine.threads)
     lm = load_model(resolve_model(settings.engine.model, settings.home))
     cache = PrefixCache() if settings.engine.prefix_cache_entries else None
     return Engine.from_store(lm, CalibrationStore(settings.calibrations_dir), cache)
