@@ -41,6 +41,7 @@ class CalibrationConfig:
     silence_quantile: float = 0.5
     max_rows: int = 256
     sensitivity_tokens: int = 256
+    confidence_z: float = 1.0  # standard errors of margin under each level's budget
 
 
 @dataclass(slots=True)
@@ -98,8 +99,10 @@ class LevelSearch:
         data: CalibrationData,
         dense: PerplexityResult,
         plan_at: Callable[[float], SparsityPlan],
+        confidence_z: float = 1.0,
     ) -> None:
         self.name, self.lm, self.data, self.dense, self.plan_at = name, lm, data, dense, plan_at
+        self.confidence_z = confidence_z
         self.results: dict[float, PerplexityResult] = {}
 
     def change_pct(self, target: float) -> float:
@@ -109,20 +112,28 @@ class LevelSearch:
                 self.lm.model, self.lm.layers, self.data.heldout, plan
             )
             log.info(
-                "%s allocation, target %.3f: sparsity %.3f, perplexity %+.2f%%",
+                "%s allocation, target %.3f: sparsity %.3f, perplexity %+.2f%% (upper %+.2f%%)",
                 self.name,
                 target,
                 self.results[target].sparsity,
                 self._pct(target),
+                self.upper_pct(target),
             )
         return self._pct(target)
 
+    def upper_pct(self, target: float) -> float:
+        """The perplexity increase plus `confidence_z` standard errors (paired per token)."""
+        self.change_pct(target)
+        return self.results[target].change_pct(self.dense, self.confidence_z)
+
     def best_within(self, budget_pct: float) -> float:
-        """Largest grid target whose perplexity increase stays within the budget (bisection)."""
+        """Largest grid target whose perplexity increase stays within the budget with
+        `confidence_z` standard errors to spare (bisection). The margin keeps the choice from
+        overfitting the held-out sample: the level must hold on text it has not seen."""
         lo, hi = -1, len(SEARCH_GRID)
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if self.change_pct(SEARCH_GRID[mid]) <= budget_pct:
+            if self.upper_pct(SEARCH_GRID[mid]) <= budget_pct:
                 lo = mid
             else:
                 hi = mid
@@ -151,7 +162,7 @@ def calibrate(
     dense = perplexity(lm.model, lm.layers, data.heldout, SparsityPlan())
     log.info("dense perplexity %.3f on %d held-out tokens", dense.perplexity, dense.num_tokens)
     searches = [
-        LevelSearch(name, lm, data, dense, plan_at)
+        LevelSearch(name, lm, data, dense, plan_at, cfg.confidence_z)
         for name, plan_at in _plan_builders(lm, stats, cfg, silence, data).items()
     ]
     calibrations = []
@@ -232,4 +243,5 @@ def _data_record(
         "heldout_tokens": int(data.heldout.numel()),
         "seq_len": cfg.seq_len,
         "roles": list(cfg.roles),
+        "confidence_z": cfg.confidence_z,
     }

@@ -20,6 +20,14 @@ class PerplexityResult:
     perplexity: float
     sparsity: float
     num_tokens: int
+    token_nll: torch.Tensor  # per scored token, float64, for paired comparisons
+
+    def change_pct(self, dense: PerplexityResult, z: float = 0.0) -> float:
+        """Perplexity increase over `dense` in percent; with z > 0, the upper bound of its
+        z-standard-error interval from the paired per-token NLL differences."""
+        diff = self.token_nll - dense.token_nll
+        margin = z * float(diff.std()) / math.sqrt(diff.numel()) if diff.numel() > 1 else 0.0
+        return 100.0 * (math.exp(float(diff.mean()) + margin) - 1.0)
 
 
 def perplexity(
@@ -33,14 +41,15 @@ def perplexity(
     if token_ids.numel() < 2:
         raise ValueError("held-out text is too short to measure perplexity (need >= 2 tokens)")
     recorder = SignalRecorder(len(layers))
-    nll, count = 0.0, 0
+    losses: list[torch.Tensor] = []
     with torch.inference_mode(), sparsified(layers, plan, recorder):
         for start in range(0, token_ids.numel() - 1, chunk):
             ids = token_ids[start : start + chunk + 1].unsqueeze(0)
             if ids.shape[1] < 2:
                 break
             logits = model(input_ids=ids[:, :-1]).logits
-            nll += float(F.cross_entropy(logits[0].float(), ids[0, 1:], reduction="sum"))
-            count += ids.shape[1] - 1
+            losses.append(F.cross_entropy(logits[0].float(), ids[0, 1:], reduction="none"))
+    token_nll = torch.cat(losses).double()
     summary = recorder.summary()
-    return PerplexityResult(math.exp(nll / count), summary.sparsity_ratio, count)
+    ppl = math.exp(float(token_nll.mean()))
+    return PerplexityResult(ppl, summary.sparsity_ratio, token_nll.numel(), token_nll)

@@ -17,7 +17,7 @@ from sparse_engine.models import DEFAULT_MODEL, resolve_model
 from sparse_engine.plan import Level
 
 # Small enough for CI; `make run` and `make bench` calibrate with the full defaults.
-CI_CALIBRATION = CalibrationConfig(samples=16, seq_len=256, heldout_tokens=1024)
+CI_CALIBRATION = CalibrationConfig(samples=32, seq_len=256, heldout_tokens=2048)
 
 
 @pytest.fixture(scope="session")

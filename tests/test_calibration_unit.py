@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from sparse_engine.artefacts import CalibrationNotFoundError, CalibrationStore
 from sparse_engine.calibrate import CalibrationConfig, calibrate, prepare_data
 from sparse_engine.engine import Engine, GenerationRequest
+from sparse_engine.perplexity import PerplexityResult
 from sparse_engine.plan import Level
 from tests.tiny import sample_texts, tiny_model
 
@@ -57,3 +60,14 @@ def test_topk_calibration_picks_k_within_budget() -> None:
     assert cal.topk is not None and len(cal.topk) == lm.num_layers
     assert cal.perplexity_change_pct <= 2.0
     assert cal.realised_sparsity == pytest.approx(1 - cal.topk[0] / 64, abs=1e-6)
+
+
+def test_paired_change_and_its_upper_bound() -> None:
+    dense = PerplexityResult(1.0, 0.0, 4, torch.tensor([1.0, 2.0, 1.0, 2.0], dtype=torch.float64))
+    sparse_nll = dense.token_nll + torch.tensor([0.0, 0.02, 0.0, 0.02], dtype=torch.float64)
+    sparse = PerplexityResult(1.0, 0.5, 4, sparse_nll)
+    point = sparse.change_pct(dense)
+    assert point == pytest.approx(100 * (math.exp(0.01) - 1))
+    se = float(torch.tensor([0.0, 0.02, 0.0, 0.02]).std()) / 2
+    assert sparse.change_pct(dense, z=1.0) == pytest.approx(100 * (math.exp(0.01 + se) - 1))
+    assert sparse.change_pct(dense, z=1.0) > point
