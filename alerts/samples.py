@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from alerts.definitions import PIPELINE_METRICS, WINDOW_METRICS
-from services.aggregator.windows import WindowSummary
+from services.aggregator.summary import WindowSummary
 
 
 @dataclass(frozen=True, slots=True)

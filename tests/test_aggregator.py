@@ -23,9 +23,9 @@ from tests.aggregator_fixtures import (
     produce,
     running,
     stored,
-    wait_until,
     window_requests,
 )
+from tests.polling import wait_until
 
 
 def test_two_members_split_partitions_and_hand_over(kafka_broker: Broker, tmp_path: Path) -> None:

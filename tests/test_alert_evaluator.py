@@ -24,6 +24,7 @@ from alerts.evaluator import (
 )
 from alerts.rules import DEFAULT_RULES, load_rules
 from services.aggregator import windows
+from services.aggregator.synthetic import synthetic_events
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 REPEAT_S = 3600.0
@@ -241,7 +242,7 @@ def test_invalid_calls_are_refused() -> None:
 
 
 def test_samples_from_real_windows_drive_the_default_rules() -> None:
-    state = windows.apply(windows.new_state(), windows.synthetic_events(2000))
+    state = windows.apply(windows.new_state(), synthetic_events(2000))
     snapshot = windows.snapshot(state, at(100), targets={"cal-1": 0.9})
     samples = samples_from_windows(snapshot)
     assert len(samples) == 4 * 3

@@ -13,7 +13,7 @@ from alerts.definitions import WINDOW_METRICS
 from alerts.durations import format_duration, parse_duration
 from alerts.rules import DEFAULT_RULES, Relative, Rule, RuleError, load_rules, parse_rules
 from alerts.templates import render_all
-from services.aggregator.windows import WindowSummary
+from services.aggregator.summary import WindowSummary
 
 VALID = """\
 rules:

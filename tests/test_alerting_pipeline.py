@@ -28,7 +28,8 @@ from services.config import AlertSettings, WebhookReceiver
 from services.serving import serve
 from services.storage.db import make_engine, session_factory
 from services.storage.models import AlertRecord, JobRun
-from tests.aggregator_fixtures import event, pipeline_settings, produce, running, wait_until
+from tests.aggregator_fixtures import event, pipeline_settings, produce, running
+from tests.polling import wait_until
 
 SECRET = "whsec_" + base64.b64encode(b"sparseguard-test-secret-key-32by").decode()
 RULES = """

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
 from tests.gateway_fixtures import GatedEngine, RecordingSink, running_gateway, settings_for
+from tests.polling import wait_until
 from tests.tiny import tiny_engine
 
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -20,14 +20,6 @@ def queue_depth(url: str) -> int:
     return int(httpx.get(f"{url}/admin/status").json()["queue_depth"])
 
 
-def wait_for(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met in time")
-        time.sleep(0.05)
-
-
 def test_full_queue_answers_429_with_retry_after(tmp_path: Path) -> None:
     engine = GatedEngine(tiny_engine())
     gateway = running_gateway(settings_for(tmp_path, queue_size=1), engine, RecordingSink())
@@ -35,9 +27,9 @@ def test_full_queue_answers_429_with_retry_after(tmp_path: Path) -> None:
         post = f"{url}/v1/chat/completions"
         # one request is held inside the engine, then a second waits in the queue
         held = [pool.submit(httpx.post, post, json=BODY, timeout=30)]
-        wait_for(lambda: engine.entered == 1 and queue_depth(url) == 0)
+        wait_until(lambda: engine.entered == 1 and queue_depth(url) == 0)
         held.append(pool.submit(httpx.post, post, json=BODY, timeout=30))
-        wait_for(lambda: queue_depth(url) == 1)
+        wait_until(lambda: queue_depth(url) == 1)
         refused = httpx.post(post, json=BODY, timeout=30)
         engine.gate.set()
         statuses = sorted(f.result().status_code for f in held)

@@ -6,20 +6,17 @@ the test; the receiver checks timestamps against that same clock."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import logging
 import random
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI, Request, Response
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 from sqlalchemy import select
@@ -27,82 +24,21 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from alerts import outbox
 from alerts.payload import AlertNotice, build_payload
-from alerts.signing import SignatureError, verify
 from alerts.webhooks import WebhookDispatcher
 from services.config import AlertSettings, WebhookReceiver
 from services.serving import free_port, serve
 from services.storage.db import make_engine, session_factory, upgrade
 from services.storage.models import AlertRecord, WebhookDelivery
-
-T0 = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)
-EXTERNAL_URL = "http://sparseguard.example:8001"
-SECRETS = {
-    name: "whsec_" + base64.b64encode(f"{name}-key-0123456789abcdef".encode()).decode()
-    for name in ("ops", "gone", "down", "slow", "ghost")
-}
-
-
-@dataclass
-class Clock:
-    now: datetime = T0
-
-    def __call__(self) -> datetime:
-        return self.now
-
-
-@dataclass
-class Hit:
-    receiver: str
-    headers: dict[str, str]
-    body: dict[str, Any]
-
-
-@dataclass
-class Receivers:
-    """The far side: what each receiver answers next, and what it was sent."""
-
-    clock: Clock = field(default_factory=Clock)
-    answers: dict[str, list[int]] = field(default_factory=dict)  # then 200
-    error_body: str = "internal error"
-    delay_s: float = 0.0
-    hits: list[Hit] = field(default_factory=list)
-    rejected: list[str] = field(default_factory=list)
-
-    def status_for(self, name: str) -> int:
-        """The next planned answer; the last one repeats."""
-        queue = self.answers.get(name, [])
-        return queue.pop(0) if len(queue) > 1 else (queue[0] if queue else 200)
-
-    def sent_to(self, name: str) -> list[Hit]:
-        return [hit for hit in self.hits if hit.receiver == name]
-
-
-@dataclass
-class Slot:
-    """The far side of the current test: one server serves the module, each test a fresh
-    state (a request still running from an earlier test keeps writing to its own)."""
-
-    current: Receivers = field(default_factory=Receivers)
-
-
-def receiver_app(slot: Slot) -> FastAPI:
-    app = FastAPI()
-
-    @app.post("/hooks/{name}")
-    async def hook(name: str, request: Request) -> Response:
-        state = slot.current
-        body = await request.body()
-        await asyncio.sleep(state.delay_s)
-        try:
-            verify(SECRETS[name], request.headers, body, state.clock())
-        except SignatureError as exc:
-            state.rejected.append(str(exc))
-            return Response(status_code=401)
-        state.hits.append(Hit(name, dict(request.headers), json.loads(body)))
-        status = state.status_for(name)
-        return Response(state.error_body if status >= 300 else None, status_code=status)
-
-    return app
+from tests.webhook_receiver import (
+    EXTERNAL_URL,
+    SECRETS,
+    T0,
+    Clock,
+    Receivers,
+    Slot,
+    alert_record,
+    receiver_app,
+)
 
 
 @pytest.fixture(scope="module")
@@ -454,15 +390,3 @@ def test_payload_follows_alertmanager_v4() -> None:
 
 def _naive(base: AlertNotice) -> AlertNotice:
     return AlertNotice("resolved", {}, {}, T0.replace(tzinfo=None), None, "fp3", base.generator_url)
-
-
-def alert_record(fingerprint: str) -> AlertRecord:
-    return AlertRecord(
-        fingerprint=fingerprint,
-        name="SparsityCollapse",
-        state="firing",
-        severity="warning",
-        labels={},
-        annotations={},
-        starts_at=T0,
-    )

@@ -17,7 +17,7 @@ from alerts.outbox import enqueue
 from alerts.payload import AlertNotice, build_payload
 from alerts.rules import DEFAULT_RULES, Rule, load_rules
 from alerts.templates import render_all
-from services.aggregator.windows import WindowSummary
+from services.aggregator.summary import WindowSummary
 from services.config import AlertSettings
 from services.metrics_table import MetricSpec, declare
 from services.storage.models import AlertRecord, JobRun

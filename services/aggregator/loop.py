@@ -24,6 +24,7 @@ from services.aggregator import windows
 from services.aggregator.alerting import AlertLoop
 from services.aggregator.metrics import AggregatorMetrics
 from services.aggregator.records import KafkaRecord, dead_letter_headers, parse_records, summary_row
+from services.aggregator.summary import WindowSummary
 from services.config import Settings
 from services.storage.repository import (
     calibration_targets,
@@ -153,7 +154,7 @@ class Aggregator:
         pipeline = [pipeline_sample("consumer_lag_events", self.lag_total, component="aggregator")]
         return len(self.alerting.tick(self.snapshot(), pipeline))
 
-    def snapshot(self) -> dict[tuple[str, str], dict[str, windows.WindowSummary]]:
+    def snapshot(self) -> dict[tuple[str, str], dict[str, WindowSummary]]:
         with self.lock:
             return windows.snapshot(self.state, datetime.now(UTC), self.targets)
 

@@ -73,6 +73,7 @@ class AggregatorMetrics:
         self.registry = registry
         self.m = declare(registry, AGGREGATOR_METRICS)
         self._window_labels: set[tuple[str, ...]] = set()
+        self._silence_labels: set[tuple[str, ...]] = set()
 
     def counter(self, name: str) -> Counter:
         return cast(Counter, self.m[name])
@@ -112,20 +113,25 @@ class AggregatorMetrics:
     def set_windows(self, windows: Mapping[tuple[str, str], Mapping[str, object]]) -> None:
         """Export the owned keys' windows; series of keys no longer owned are removed."""
         current: set[tuple[str, ...]] = set()
+        silence: set[tuple[str, ...]] = set()
         for (model, level), by_window in windows.items():
             for window, summary in by_window.items():
                 current.add((model, level, window))
-                self._set_window((model, level, window), summary)
+                silence |= self._set_window((model, level, window), summary)
         for labels in self._window_labels - current:
             for name in WINDOW_GAUGES.values():
                 self.gauge(name.removeprefix("sparseguard_")).remove(*labels)
-        self._window_labels = current
+        for labels in self._silence_labels - silence:
+            self.gauge("window_silence_rate_ratio").remove(*labels)
+        self._window_labels, self._silence_labels = current, silence
 
-    def _set_window(self, labels: tuple[str, str, str], summary: object) -> None:
+    def _set_window(self, labels: tuple[str, str, str], summary: object) -> set[tuple[str, ...]]:
         for field, name in WINDOW_GAUGES.items():
             value = getattr(summary, field, None)
             gauge = self.gauge(name.removeprefix("sparseguard_")).labels(*labels)
             gauge.set(float("nan") if value is None else float(value))
-        silence = getattr(summary, "silence_rate_per_layer", []) or []
-        for layer, rate in enumerate(silence):
+        exported: set[tuple[str, ...]] = set()
+        for layer, rate in enumerate(getattr(summary, "silence_rate_per_layer", []) or []):
             self.gauge("window_silence_rate_ratio").labels(*labels, str(layer)).set(rate)
+            exported.add((*labels, str(layer)))
+        return exported

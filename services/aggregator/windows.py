@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import copy
 import math
-import random
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field, fields
-from datetime import UTC, datetime, timedelta
-from typing import Any
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
-from services.aggregator.histograms import Histogram, Quantiles
+from services.aggregator.histograms import Histogram
+from services.aggregator.summary import WindowSummary
 from services.telemetry.schema import TelemetryEvent
 
 WINDOWS: dict[str, float] = {"5m": 300, "1h": 3600, "24h": 86400}
@@ -294,45 +292,6 @@ def _merge_key(mine: KeyState, theirs: KeyState) -> None:
                 ring.slots[slot] = copy.deepcopy(other)
 
 
-@dataclass(frozen=True, slots=True)
-class WindowSummary:
-    window: str
-    start: datetime
-    end: datetime
-    requests: int
-    errors: int
-    error_rate: float
-    sparsity_mean: float | None
-    sparsity_target: float | None
-    gate_confidence_mean: float | None
-    gate_outside_band_share: float | None
-    activation_stability_mean: float | None
-    gate_entropy_mean: float | None  # normalised saliency entropy; > 0.95 = gate degraded
-    drift_kl_mean: float | None
-    drift_samples: int
-    silence_rate_per_layer: list[float]
-    silence_spikes: int
-    trust_actions: dict[str, int]
-    cache_hit_rate_mean: float | None
-    ttft_ms: Quantiles | None
-    latency_ms: Quantiles | None
-    calibration_version: str | None
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: times as ISO 8601 UTC with Z, quantiles as nested objects."""
-        out: dict[str, Any] = {}
-        for item in fields(self):
-            value = getattr(self, item.name)
-            if isinstance(value, datetime):
-                value = value.isoformat().replace("+00:00", "Z")
-            elif isinstance(value, Quantiles):
-                value = value.to_dict()
-            elif isinstance(value, list | dict):
-                value = copy.copy(value)
-            out[item.name] = value
-        return out
-
-
 def snapshot(
     state: State, now: datetime, targets: Mapping[str, float] | None = None
 ) -> dict[Key, dict[str, WindowSummary]]:
@@ -384,52 +343,3 @@ def _summarize(
 
 def _utc(epoch_s: float) -> datetime:
     return datetime.fromtimestamp(epoch_s, UTC)
-
-
-def synthetic_events(num_events: int, seed: int = 0) -> list[TelemetryEvent]:
-    """Plausible events for benchmarks and tests: 4 keys, one every 50 ms, 30 layers, 2% errors."""
-    rng = random.Random(seed)
-    start = datetime(2025, 1, 1, tzinfo=UTC)
-    return [
-        _synthetic_event(rng, i, start + timedelta(milliseconds=50 * i)) for i in range(num_events)
-    ]
-
-
-def _synthetic_event(rng: random.Random, i: int, at: datetime) -> TelemetryEvent:
-    ok = rng.random() > 0.02
-    common: dict[str, Any] = {
-        "trace_id": f"synthetic-{i}",
-        "time": at,
-        "model": "synthetic-model",
-        "calibration_version": "cal-1",
-        "level": ("conservative", "balanced", "aggressive", "dense")[i % 4],
-        "mode": "serve",
-        "api": "openai",
-        "status": "ok" if ok else "error",
-    }
-    if not ok:
-        return TelemetryEvent(**common)
-    return TelemetryEvent(
-        **common,
-        sparsity_ratio=rng.uniform(0.4, 0.7),
-        gate_confidence=rng.uniform(0.7, 0.95),
-        activation_stability_pct=rng.uniform(0, 8),
-        gate_entropy=rng.uniform(0.85, 0.97),
-        silence_rate_per_layer=[rng.random() for _ in range(30)],
-        semantic_drift_kl=rng.uniform(0, 1) if rng.random() < 0.1 else None,
-        ttft_ms=rng.lognormvariate(4, 1),
-        total_ms=rng.lognormvariate(7, 1),
-        cache_hit_rate=rng.random(),
-        trust_action=rng.choice(("none", "none", "flag")),
-    )
-
-
-def fold_throughput(num_events: int) -> float:
-    """Events per second of `apply` over `num_events` synthetic events (built before timing)."""
-    if num_events < 1:
-        raise ValueError("num_events must be at least 1")
-    events = synthetic_events(num_events)
-    state = new_state()
-    started = time.perf_counter()
-    apply(state, events)
-    return num_events / (time.perf_counter() - started)

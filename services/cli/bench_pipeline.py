@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from services.aggregator.loop import Aggregator
 from services.aggregator.metrics import AggregatorMetrics
-from services.aggregator.windows import fold_throughput, synthetic_events
+from services.aggregator.synthetic import fold_throughput, synthetic_events
 from services.broker import Broker
 from services.cli.common import emit, emit_json
 from services.config import AggregatorSettings, Settings, TelemetrySettings

@@ -20,7 +20,7 @@ from services.gateway.runtime import Runtime
 from services.gateway.schemas import ChatInput
 from services.gateway.trust import Trust, assess
 from services.gateway.upstream import stream_upstream
-from services.gateway.worker import Emit, Job, QueueFullError
+from services.gateway.worker import Emit, Job, JobFn, QueueFullError
 from sparse_engine.artefacts import CalibrationNotFoundError
 from sparse_engine.plan import Level
 from sparse_engine.requests import GenerationRequest, GenerationStats
@@ -149,9 +149,9 @@ async def _proxy(rt: Runtime, p: Prepared) -> AsyncIterator[str | Final]:
         yield item
 
 
-def _submit(rt: Runtime, run: object) -> Job:
+def _submit(rt: Runtime, run: JobFn) -> Job:
     try:
-        return rt.worker.submit(run)  # type: ignore[arg-type]
+        return rt.worker.submit(run)
     except QueueFullError:
         rt.metrics.rejections.inc()
         raise ApiError(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import httpx
@@ -28,4 +28,3 @@ class Runtime:
     registry: CollectorRegistry
     sink: TelemetrySink | None = None
     upstream: httpx.AsyncClient | None = None
-    broker_check: object = field(default=None)

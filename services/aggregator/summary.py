@@ -1,0 +1,49 @@
+"""What one rolling window says at a moment: the summary the fold produces for readers."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, fields
+from datetime import datetime
+from typing import Any
+
+from services.aggregator.histograms import Quantiles
+
+
+@dataclass(frozen=True, slots=True)
+class WindowSummary:
+    window: str
+    start: datetime
+    end: datetime
+    requests: int
+    errors: int
+    error_rate: float
+    sparsity_mean: float | None
+    sparsity_target: float | None
+    gate_confidence_mean: float | None
+    gate_outside_band_share: float | None
+    activation_stability_mean: float | None
+    gate_entropy_mean: float | None  # normalised saliency entropy; > 0.95 = gate degraded
+    drift_kl_mean: float | None
+    drift_samples: int
+    silence_rate_per_layer: list[float]
+    silence_spikes: int
+    trust_actions: dict[str, int]
+    cache_hit_rate_mean: float | None
+    ttft_ms: Quantiles | None
+    latency_ms: Quantiles | None
+    calibration_version: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: times as ISO 8601 UTC with Z, quantiles as nested objects."""
+        out: dict[str, Any] = {}
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if isinstance(value, datetime):
+                value = value.isoformat().replace("+00:00", "Z")
+            elif isinstance(value, Quantiles):
+                value = value.to_dict()
+            elif isinstance(value, list | dict):
+                value = copy.copy(value)
+            out[item.name] = value
+        return out
