@@ -25,7 +25,12 @@ WINDOW_METRICS = (
     "cache_hit_rate_mean",
 )
 # Samples without a window, produced by whoever watches the pipeline.
-PIPELINE_METRICS = ("consumer_lag_events", "spool_bytes", "golden_check_age_s")
+PIPELINE_METRICS = (
+    "consumer_lag_events",
+    "spool_bytes",
+    "golden_check_age_s",
+    "golden_drift_bleu",
+)
 WINDOWS = ("5m", "1h", "24h")
 ACTIONS = ("webhook", "recalibrate", "flag_finetune", "fallback")
 # Set by the rule itself, so `labels` may not override them.

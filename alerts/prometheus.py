@@ -26,6 +26,8 @@ SERIES: dict[str, str] = {
     **WINDOW_GAUGES,
     "consumer_lag_events": "sparseguard_aggregator_consumer_lag_events",
     "spool_bytes": "sparseguard_telemetry_spool_bytes",
+    "golden_check_age_s": "sparseguard_golden_check_age_seconds",
+    "golden_drift_bleu": "sparseguard_golden_drift_bleu_points",
 }
 MATCH = "on(model, level, window)"
 GROUP = "sparseguard"

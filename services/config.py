@@ -52,6 +52,10 @@ class TelemetrySettings(BaseModel):
     spool_dir: Path | None = None  # default: <home>/spool
     spool_max_bytes: int = Field(256 * 1024 * 1024, ge=1024)
     client_id: str = "sparseguard-gateway"
+    # Off by default: prompt text leaves the gateway only when an operator opts in, and then
+    # only for this share of requests (recalibration samples it as production-like data).
+    keep_prompt_text: bool = False
+    prompt_sample_rate: float = Field(0.1, ge=0.0, le=1.0)
 
 
 class StorageSettings(BaseModel):
@@ -90,10 +94,44 @@ class AlertSettings(BaseModel):
     backoff_max_s: float = Field(300.0, gt=0)
 
 
+class JobSettings(BaseModel):
+    # Celery broker; default: the embedded SQLite transport at <home>/celery-broker.db, which
+    # needs no server. Production: redis://host:6379/0.
+    broker_url: str | None = None
+    queue: str = "sparseguard"
+    # Redis only: an unacknowledged task (its worker died) is delivered again after this long;
+    # it must exceed the longest task.
+    visibility_timeout_s: float = Field(3 * 3600.0, gt=0)
+    recalibrate_time_limit_s: int = Field(2 * 3600, gt=0)
+    golden_time_limit_s: int = Field(2 * 3600, gt=0)
+    max_retries: int = Field(5, ge=0)
+    retry_backoff_max_s: int = Field(600, ge=1)
+    # Beat schedules, as cron expressions in UTC ("minute hour day month weekday").
+    golden_cron: str = "0 3 * * *"
+    recalibrate_cron: str | None = None  # off unless set
+    redispatch_interval_s: float = Field(60.0, gt=0)  # re-send jobs whose message was lost
+    redispatch_after_s: float = Field(300.0, gt=0)
+    beat_lock_ttl_s: float = Field(30.0, gt=1)
+    # Golden set: JSONL of {"id", "prompt", "reference"}; default: packaged MT-Bench.
+    golden_set: Path | None = None
+    golden_max_new_tokens: int = Field(64, ge=1)
+    golden_levels: list[str] = Field(
+        default_factory=lambda: ["conservative", "balanced", "aggressive"]
+    )
+    drift_budget_bleu: float = Field(0.8, ge=0)  # per check
+    drift_recalibrate_bleu: float = Field(1.2, ge=0)  # 24 h average
+    # Recalibration on recent traffic (when prompt text is kept), else the calibration corpus.
+    traffic_window_h: float = Field(24.0, gt=0)
+    traffic_min_prompts: int = Field(50, ge=1)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPARSEGUARD_", env_nested_delimiter="__")
 
     home: Path = Field(default_factory=lambda: Path.home() / ".cache" / "sparseguard")
+    # Fetched models, package wheels and corpora; default: home. Separate from home when state
+    # (calibrations, database, spool) should not share a directory with the download cache.
+    cache_dir: Path | None = None
     log_level: str = "INFO"
     engine: EngineSettings = Field(default_factory=lambda: EngineSettings())
     gateway: GatewaySettings = Field(default_factory=lambda: GatewaySettings())
@@ -101,6 +139,11 @@ class Settings(BaseSettings):
     storage: StorageSettings = Field(default_factory=lambda: StorageSettings())
     aggregator: AggregatorSettings = Field(default_factory=lambda: AggregatorSettings())
     alerts: AlertSettings = Field(default_factory=lambda: AlertSettings())
+    jobs: JobSettings = Field(default_factory=lambda: JobSettings())
+
+    @property
+    def cache_home(self) -> Path:
+        return self.cache_dir or self.home
 
     @property
     def calibrations_dir(self) -> Path:
@@ -109,6 +152,14 @@ class Settings(BaseSettings):
     @property
     def database_url(self) -> str:
         return self.storage.url or f"sqlite:///{self.home / 'sparseguard.db'}"
+
+    @property
+    def celery_broker_url(self) -> str:
+        return self.jobs.broker_url or f"sqla+sqlite:///{self.home / 'celery-broker.db'}"
+
+    @property
+    def golden_set_path(self) -> Path:
+        return self.jobs.golden_set or self.home / "golden" / "mt-bench.jsonl"
 
     @property
     def spool_dir(self) -> Path:

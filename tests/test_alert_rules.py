@@ -43,6 +43,7 @@ def test_default_rules_cover_the_mission_alerts() -> None:
         "TelemetryPipelineLag",
         "TelemetrySpoolGrowing",
         "GoldenCheckMissed",
+        "GoldenDriftHigh",
     ]
     for rule in by_name().values():
         assert rule.annotations.keys() == {"summary", "description"}, rule.name

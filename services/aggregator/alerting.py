@@ -1,7 +1,9 @@
 """Alert evaluation where the complete windows are: every interval, the owned windows (and
 pipeline figures) go through the pure evaluator; transitions are stored as alert history,
-notifications go to the webhook outbox in the same transaction (a crash never loses one), and
-job actions are recorded as queued job runs."""
+notifications go to the webhook outbox in the same transaction (a crash never loses one).
+A `recalibrate` action stores a recalibration job in that transaction too and sends its Celery
+task after the commit (the beat's redispatch sweep sends it if that fails); `flag_finetune`
+raises the model's fine-tune flag."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import logging
 from datetime import UTC, datetime
 from typing import cast
 
+from celery import Celery
 from prometheus_client import CollectorRegistry, Counter
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -20,10 +23,11 @@ from alerts.templates import render_all
 from services.aggregator.summary import WindowSummary
 from services.config import AlertSettings
 from services.metrics_table import MetricSpec, declare
-from services.storage.models import AlertRecord, JobRun
+from services.storage.models import AlertRecord
+from services.storage.repository import set_flag
+from services.workers import jobs
 
 log = logging.getLogger(__name__)
-JOB_ACTIONS = ("recalibrate", "flag_finetune")
 Snapshot = dict[tuple[str, str], dict[str, WindowSummary]]
 ALERTING_METRICS = (
     MetricSpec("alert_transitions_total", Counter, "Alert state changes", ("alertname", "state")),
@@ -38,12 +42,14 @@ class AlertLoop:
         sessions: sessionmaker[Session],
         registry: CollectorRegistry,
         external_url: str = "http://127.0.0.1:8001",
+        celery: Celery | None = None,
     ) -> None:
         self.settings = settings
         self.sessions = sessions
         self.rules: list[Rule] = load_rules(settings.rules_file or DEFAULT_RULES)
         self.state = EvalState()
         self.external_url = external_url
+        self.celery = celery  # None: jobs stay queued until the redispatch sweep sends them
         metrics = declare(registry, ALERTING_METRICS)
         self.transitions_total = cast(Counter, metrics["alert_transitions_total"])
         self.actions_total = cast(Counter, metrics["alert_actions_total"])
@@ -57,17 +63,23 @@ class AlertLoop:
         self.state, transitions = evaluate(
             self.state, self.rules, samples, now, self.settings.repeat_interval_s
         )
+        queued: list[int] = []
         if transitions:
             with self.sessions.begin() as session:
-                self._store(session, transitions, now)
+                queued = self._store(session, transitions, now)
+        if self.celery is not None:
+            for job_id in queued:
+                jobs.dispatch(self.celery, job_id, "recalibrate")
         return transitions
 
-    def _store(self, session: Session, transitions: list[Transition], now: datetime) -> None:
+    def _store(self, session: Session, transitions: list[Transition], now: datetime) -> list[int]:
+        """Store history, outbox rows and actions; returns the recalibration jobs queued."""
+        queued: list[int] = []
         for t in transitions:
             self.transitions_total.labels(t.rule.name, t.state).inc()
             session.add(_history(t, now))
             if t.notify and t.state == "firing":
-                self._actions(session, t)
+                queued += self._actions(session, t)
         notify = [t for t in transitions if t.notify and "webhook" in t.rule.actions]
         for key, members in group(notify, self.settings.group_by).items():
             group_labels = dict(zip(self.settings.group_by, key, strict=False))
@@ -79,24 +91,24 @@ class AlertLoop:
                     self.external_url,
                 )
                 enqueue(session, receiver.name, members[0].fingerprint, payload)
+        return queued
 
-    def _actions(self, session: Session, t: Transition) -> None:
-        """Every non-webhook action is counted and logged; job actions are also stored as
-        queued job runs. (`fallback` is a per-request gateway decision; here it is recorded.)"""
+    def _actions(self, session: Session, t: Transition) -> list[int]:
+        """Every non-webhook action is counted and logged; returns recalibration jobs stored.
+        (`fallback` is a per-request gateway decision; here it is recorded.)"""
+        queued = []
         for action in t.rule.actions:
             if action == "webhook":
                 continue
             self.actions_total.labels(action).inc()
             log.warning("alert %s requests %s for %s", t.rule.name, action, t.labels)
-            if action in JOB_ACTIONS:
-                session.add(
-                    JobRun(
-                        kind=action,
-                        status="queued",
-                        reason=f"alert:{t.rule.name}",
-                        params={"labels": t.labels, "fingerprint": t.fingerprint},
-                    )
-                )
+            details = {"labels": t.labels, "fingerprint": t.fingerprint, "value": t.value}
+            if action == "recalibrate" and t.labels.get("level", "dense") != "dense":
+                params = {"level": t.labels["level"], **details}
+                queued.append(jobs.create_job(session, action, f"alert:{t.rule.name}", params).id)
+            elif action == "flag_finetune" and "model" in t.labels:
+                set_flag(session, t.labels["model"], "finetune", f"alert:{t.rule.name}", details)
+        return queued
 
 
 def _history(t: Transition, now: datetime) -> AlertRecord:

@@ -59,6 +59,12 @@ AGGREGATOR_METRICS = (
         )
         for field, name in WINDOW_GAUGES.items()
     ),
+    MetricSpec("golden_check_age_seconds", Gauge, "Seconds since the last golden-set check"),
+    MetricSpec(
+        "golden_drift_bleu_points", Gauge, "Latest golden-set BLEU drift (dense - sparse)", KEY
+    ),
+    MetricSpec("golden_drift_bleu_24h_points", Gauge, "Mean golden-set BLEU drift over 24 h", KEY),
+    MetricSpec("model_flag", Gauge, "Standing model flags (1 = raised)", ("model", "flag")),
     MetricSpec(
         "window_silence_rate_ratio",
         Gauge,

@@ -19,6 +19,7 @@ from services.config import Settings
 from services.serving import serve
 from services.storage.db import make_engine, session_factory, upgrade
 from services.telemetry.topics import ensure_topics, topic_specs
+from services.workers.app import make_celery
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,8 @@ def build_aggregator(settings: Settings) -> Aggregator:
     sessions = session_factory(make_engine(settings.database_url))
     registry = CollectorRegistry()
     url = f"http://{settings.aggregator.host}:{settings.aggregator.port}"
-    alerting = AlertLoop(settings.alerts, sessions, registry, external_url=url)
+    celery = make_celery(settings)
+    alerting = AlertLoop(settings.alerts, sessions, registry, external_url=url, celery=celery)
     return Aggregator(settings, sessions, AggregatorMetrics(registry), alerting=alerting)
 
 

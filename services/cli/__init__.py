@@ -7,7 +7,18 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
-from services.cli import aggregator, alerts, bench, calibration, data, db, gateway, probe
+from services.cli import (
+    aggregator,
+    alerts,
+    bench,
+    calibration,
+    data,
+    db,
+    gateway,
+    golden,
+    jobs,
+    probe,
+)
 from services.config import Settings
 
 log = logging.getLogger("sparseguard")
@@ -18,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparseguard", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (data, calibration, probe, bench, gateway, aggregator, alerts, db):
+    for module in (data, calibration, probe, bench, gateway, aggregator, alerts, db, jobs, golden):
         module.register(commands)
     return parser
 

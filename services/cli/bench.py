@@ -49,7 +49,7 @@ def register(commands: Any) -> None:
 
 def run_quality(args: argparse.Namespace, settings: Settings) -> int:
     eng = engine(settings, args.model)
-    ids = middle_tokens(eng, corpora.load_texts(args.data, settings.home), args.tokens)
+    ids = middle_tokens(eng, corpora.load_texts(args.data, settings.cache_home), args.tokens)
     rows = []
     dense = None
     for level in [lv for lv in Level if lv in eng.plans]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-from datetime import datetime
 from typing import Any
 
 from tqdm import tqdm
@@ -12,7 +11,7 @@ from tqdm import tqdm
 from services.cli.common import emit, emit_json, load, store
 from services.config import Settings
 from services.storage.db import make_engine, session_factory, upgrade
-from services.storage.repository import upsert_calibration
+from services.storage.repository import calibration_row, upsert_calibration
 from sparse_engine import corpora
 from sparse_engine.artefacts import Calibration
 from sparse_engine.calibrate import CalibrationConfig, calibrate, prepare_data
@@ -61,7 +60,7 @@ def run_calibrate(args: argparse.Namespace, settings: Settings) -> int:
         roles=tuple(r.strip() for r in args.roles.split(",") if r.strip()),
     )
     name = args.data or settings.engine.calibration_corpus
-    data = prepare_data(lm.tokenizer, corpora.load_texts(name, settings.home), cfg, name)
+    data = prepare_data(lm.tokenizer, corpora.load_texts(name, settings.cache_home), cfg, name)
     total = sum(b.numel() for b in data.batches)
     with tqdm(total=total, unit="tok", desc="collecting activation statistics") as bar:
         results = calibrate(lm, data, levels, cfg, progress=bar.update)
@@ -76,21 +75,7 @@ def record_calibration(settings: Settings, cal: Calibration, reason: str) -> Non
     """Register the version in SQL, where the aggregator reads each level's target."""
     upgrade(settings.database_url)
     with session_factory(make_engine(settings.database_url)).begin() as session:
-        upsert_calibration(
-            session,
-            {
-                "version": cal.version,
-                "model_id": cal.model_id,
-                "level": cal.level,
-                "weights_sha256": cal.weights_sha256,
-                "created_at": datetime.fromisoformat(cal.created_at),
-                "target_sparsity": cal.target_sparsity,
-                "realised_sparsity": cal.realised_sparsity,
-                "perplexity_change_pct": cal.perplexity_change_pct,
-                "reason": reason,
-                "artefact": cal.to_dict(),
-            },
-        )
+        upsert_calibration(session, calibration_row(cal, reason))
 
 
 def parse_levels(values: list[str]) -> list[Level]:

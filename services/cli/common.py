@@ -28,7 +28,7 @@ def emit_json(value: Any) -> None:
 def load(settings: Settings, model: str | None) -> LoadedModel:
     if settings.engine.threads:
         torch.set_num_threads(settings.engine.threads)
-    return load_model(resolve_model(model or settings.engine.model, settings.home))
+    return load_model(resolve_model(model or settings.engine.model, settings.cache_home))
 
 
 def store(settings: Settings) -> CalibrationStore:

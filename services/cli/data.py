@@ -29,7 +29,7 @@ def register(commands: Any) -> None:
 
 
 def fetch_model(args: argparse.Namespace, settings: Settings) -> int:
-    emit(str(resolve_model(args.name or settings.engine.model, settings.home)))
+    emit(str(resolve_model(args.name or settings.engine.model, settings.cache_home)))
     return 0
 
 
@@ -40,7 +40,7 @@ def list_corpora(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def fetch_corpus(args: argparse.Namespace, settings: Settings) -> int:
-    texts = corpora.load_texts(args.name, settings.home)
+    texts = corpora.load_texts(args.name, settings.cache_home)
     words = sum(len(t.split()) for t in texts)
     emit(f"{args.name}: {len(texts)} documents, {words} words")
     return 0

@@ -1,5 +1,6 @@
 """The SQL schema as typed SQLAlchemy models: request summaries, window snapshots, calibrations,
-alerts, the webhook outbox, job runs and golden-set runs. Every timestamp is timezone-aware UTC.
+alerts, the webhook outbox, job runs, model flags and golden-set runs. Every timestamp is
+timezone-aware UTC.
 
 The tables are created by the Alembic migrations in `migrations/`, never from this metadata."""
 
@@ -214,6 +215,22 @@ class JobRun(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
+    # Claims so far: a worker that died mid-task leaves "running", and the redelivered task
+    # claims the job again.
+    attempts: Mapped[int] = mapped_column(default=0, server_default="0")
+    updated_at: Mapped[datetime | None] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class ModelFlag(Base):
+    """A standing flag on a model, e.g. "finetune" when drift persists; cleared by deletion."""
+
+    __tablename__ = "model_flags"
+
+    model_id: Mapped[str] = mapped_column(String, primary_key=True)
+    flag: Mapped[str] = mapped_column(String(32), primary_key=True)
+    reason: Mapped[str] = mapped_column(String)
+    details: Mapped[dict[str, Any]]
+    set_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
 class GoldenRun(Base):

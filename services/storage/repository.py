@@ -4,7 +4,7 @@ They never commit: the caller owns the transaction (`with factory.begin() as ses
 from __future__ import annotations
 
 import math
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import func, select
@@ -15,9 +15,12 @@ from services.storage.models import (
     TRACE_ID_LENGTH,
     Base,
     CalibrationRecord,
+    GoldenRun,
+    ModelFlag,
     RequestSummary,
     WindowSnapshot,
 )
+from sparse_engine.artefacts import Calibration
 
 
 def _insert(session: Session, entity: type[Base]) -> postgresql.Insert | sqlite.Insert:
@@ -131,7 +134,64 @@ def upsert_calibration(session: Session, record: dict[str, Any]) -> None:
     session.execute(statement)
 
 
+def calibration_row(cal: Calibration, reason: str) -> dict[str, Any]:
+    """The calibrations table row of an artefact, with why it was made."""
+    return {
+        "version": cal.version,
+        "model_id": cal.model_id,
+        "level": cal.level,
+        "weights_sha256": cal.weights_sha256,
+        "created_at": datetime.fromisoformat(cal.created_at),
+        "target_sparsity": cal.target_sparsity,
+        "realised_sparsity": cal.realised_sparsity,
+        "perplexity_change_pct": cal.perplexity_change_pct,
+        "reason": reason,
+        "artefact": cal.to_dict(),
+    }
+
+
 def calibration_targets(session: Session) -> dict[str, float]:
     """Calibration version -> the sparsity it targeted."""
     rows = session.execute(select(CalibrationRecord.version, CalibrationRecord.target_sparsity))
     return {version: target for version, target in rows}
+
+
+def set_flag(
+    session: Session, model_id: str, flag: str, reason: str, details: dict[str, Any]
+) -> None:
+    """Raise a standing flag on a model (e.g. "finetune"); raising it again updates it."""
+    row = {
+        "model_id": model_id,
+        "flag": flag,
+        "reason": reason,
+        "details": details,
+        "set_at": datetime.now(UTC),
+    }
+    statement = _insert(session, ModelFlag).values(**row)
+    session.execute(
+        statement.on_conflict_do_update(
+            index_elements=[ModelFlag.model_id, ModelFlag.flag],
+            set_={key: statement.excluded[key] for key in ("reason", "details", "set_at")},
+        )
+    )
+
+
+def flags(session: Session, model_id: str | None = None) -> list[ModelFlag]:
+    statement = select(ModelFlag).order_by(ModelFlag.model_id, ModelFlag.flag)
+    if model_id is not None:
+        statement = statement.where(ModelFlag.model_id == model_id)
+    return list(session.scalars(statement))
+
+
+def golden_runs_since(session: Session, since: datetime) -> list[GoldenRun]:
+    """Golden-set runs created at or after `since`, oldest first."""
+    statement = select(GoldenRun).where(GoldenRun.created_at >= since)
+    return list(session.scalars(statement.order_by(GoldenRun.created_at, GoldenRun.id)))
+
+
+def last_golden_run_at(session: Session) -> datetime | None:
+    return session.scalar(select(func.max(GoldenRun.created_at)))
+
+
+def first_calibration_at(session: Session) -> datetime | None:
+    return session.scalar(select(func.min(CalibrationRecord.created_at)))

@@ -1,0 +1,75 @@
+"""The golden-set drift check as a job: run dense and each sparse level over the golden set,
+store one run per level, and act. A level over the per-check budget (0.8 BLEU points) raises
+the "golden drift" alert (the aggregator evaluates stored runs); a 24 h average over 1.2
+enqueues a recalibration of that level and sets the model's fine-tune flag."""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import torch
+from celery import Celery
+from sqlalchemy.orm import Session, sessionmaker
+
+from services.config import Settings
+from services.storage.repository import set_flag
+from services.workers import golden, jobs
+from services.workers.jobs import ClaimedJob
+from sparse_engine.artefacts import CalibrationStore
+from sparse_engine.engine import Engine
+from sparse_engine.loader import load_model
+from sparse_engine.models import resolve_model
+from sparse_engine.plan import Level
+
+log = logging.getLogger(__name__)
+DAY = timedelta(hours=24)
+
+
+def golden_check(
+    settings: Settings, sessions: sessionmaker[Session], celery: Celery, job: ClaimedJob
+) -> dict[str, Any]:
+    if settings.engine.threads:
+        torch.set_num_threads(settings.engine.threads)
+    model = job.params.get("model") or settings.engine.model
+    lm = load_model(resolve_model(model, settings.cache_home))
+    engine = Engine.from_store(lm, CalibrationStore(settings.calibrations_dir))
+    if settings.jobs.golden_set is not None:
+        path = settings.golden_set_path
+    else:
+        path = golden.ensure_default_golden(settings, engine)
+    items = golden.load_golden(path)
+    levels = [Level.parse(name) for name in job.params.get("levels") or settings.jobs.golden_levels]
+    max_new_tokens = int(job.params.get("max_new_tokens") or settings.jobs.golden_max_new_tokens)
+    results = golden.check(engine, items, levels, max_new_tokens)
+    if not results:
+        raise ValueError("no sparse level is calibrated; run `sparseguard calibrate --level all`")
+    now = datetime.now(UTC)
+    summary: dict[str, Any] = {"golden_set": str(path), "prompts": len(items), "levels": {}}
+    with sessions.begin() as session:
+        golden.store_runs(session, lm.model_id, results, now)
+        for result in results:
+            average = golden.drift_average(session, lm.model_id, result.level, now - DAY)
+            summary["levels"][result.level] = {
+                "drift_bleu": round(result.drift_bleu, 3),
+                "drift_bleu_24h": None if average is None else round(average, 3),
+                "kl_mean": round(result.kl_mean, 4),
+                "answers_changed": result.answers_changed,
+                "over_budget": result.over_budget(settings.jobs.drift_budget_bleu),
+            }
+            if average is not None and average > settings.jobs.drift_recalibrate_bleu:
+                details = {"level": result.level, "drift_bleu_24h": average, "job_id": job.id}
+                set_flag(session, lm.model_id, "finetune", "golden-drift", details)
+                summary["levels"][result.level]["recalibration_job"] = jobs.create_job(
+                    session,
+                    "recalibrate",
+                    f"golden-drift:{result.level}",
+                    {"level": result.level, "model": model},
+                    job.trace_id,
+                ).id
+    for level, figures in summary["levels"].items():
+        log.info("golden check %s: %s", level, figures)
+        if "recalibration_job" in figures:
+            jobs.dispatch(celery, figures["recalibration_job"], "recalibrate")
+    return summary

