@@ -17,8 +17,8 @@ from services.cli import main
 from services.config import JobSettings, Settings
 from services.storage.db import make_engine, session_factory, upgrade
 from services.storage.models import GoldenRun
-from services.workers import golden
-from services.workers.golden import GoldenItem
+from services.workers import golden, golden_set
+from services.workers.golden_set import GoldenItem
 from sparse_engine.artefacts import CalibrationStore
 from sparse_engine.corpora import MTBenchQuestion, mtbench_questions, mtbench_references
 from sparse_engine.engine import Engine
@@ -48,26 +48,26 @@ def test_golden_file_round_trips_atomically(tmp_path: Path) -> None:
         GoldenItem("1", "Say it in French.", "déjà vu — café", "gpt-4"),
         GoldenItem("two", "Say nothing.", "", "dense:tiny-llama"),
     ]
-    golden.write_golden(path, items)
-    assert golden.load_golden(path) == items
+    golden_set.write_golden(path, items)
+    assert golden_set.load_golden(path) == items
     assert [p.name for p in path.parent.iterdir()] == ["set.jsonl"]  # no temp file left
 
 
 def test_failed_write_leaves_the_old_file(tmp_path: Path) -> None:
     path = tmp_path / "set.jsonl"
-    golden.write_golden(path, items_for(["x"]))
+    golden_set.write_golden(path, items_for(["x"]))
     before = path.read_bytes()
     with pytest.raises(ValueError, match="duplicate id 'q0'"):
-        golden.write_golden(path, items_for(["x"]) * 2)
+        golden_set.write_golden(path, items_for(["x"]) * 2)
     assert path.read_bytes() == before
     with pytest.raises(ValueError, match="no items"):
-        golden.write_golden(path, [])
+        golden_set.write_golden(path, [])
 
 
 def test_source_is_optional_and_ids_may_be_integers(tmp_path: Path) -> None:
     path = tmp_path / "set.jsonl"
     path.write_text('{"id": 81, "prompt": "p", "reference": "r"}\n\n')
-    assert golden.load_golden(path) == [GoldenItem("81", "p", "r", "unknown")]
+    assert golden_set.load_golden(path) == [GoldenItem("81", "p", "r", "unknown")]
 
 
 @pytest.mark.parametrize(
@@ -89,28 +89,28 @@ def test_bad_golden_files_name_file_and_line(tmp_path: Path, lines: list[str], e
     path = tmp_path / "set.jsonl"
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError, match=error) as info:
-        golden.load_golden(path)
+        golden_set.load_golden(path)
     assert str(path) in str(info.value)
 
 
 def test_read_prompts_from_text_and_jsonl(tmp_path: Path) -> None:
     text = tmp_path / "prompts.txt"
     text.write_text("First prompt?\n\n  Second prompt.  \n")
-    assert golden.read_prompts(text) == [
+    assert golden_set.read_prompts(text) == [
         ("prompts-1", "First prompt?"),
         ("prompts-2", "Second prompt."),
     ]
     jsonl = tmp_path / "mine.jsonl"
     jsonl.write_text('{"id": "x", "prompt": "One"}\n{"prompt": "Two"}\n')
-    assert golden.read_prompts(jsonl) == [("x", "One"), ("mine-2", "Two")]
+    assert golden_set.read_prompts(jsonl) == [("x", "One"), ("mine-2", "Two")]
     jsonl.write_text('{"id": "x", "prompt": "One"}\n{"id": "x", "prompt": "Two"}\n')
     with pytest.raises(ValueError, match="duplicate id 'x'"):
-        golden.read_prompts(jsonl)
+        golden_set.read_prompts(jsonl)
     with pytest.raises(FileNotFoundError, match="one prompt per line"):
-        golden.read_prompts(tmp_path / "missing.txt")
+        golden_set.read_prompts(tmp_path / "missing.txt")
     (tmp_path / "blank.txt").write_text("\n \n")
     with pytest.raises(ValueError, match="no prompts"):
-        golden.read_prompts(tmp_path / "blank.txt")
+        golden_set.read_prompts(tmp_path / "blank.txt")
 
 
 # --- BLEU drift ----------------------------------------------------------------------------
@@ -319,7 +319,7 @@ def test_golden_create_freezes_smollm_answers(
     out = tmp_path / "golden.jsonl"
     args = ["golden", "create", "--prompts", str(prompts), "--out", str(out)]
     assert main([*args, "--max-new-tokens", "8"]) == 0
-    items = golden.load_golden(out)
+    items = golden_set.load_golden(out)
     assert [i.id for i in items] == ["prompts-1", "prompts-2"]
     assert all(i.reference.strip() and i.source.startswith("dense:") for i in items)
     assert "wrote 2 references" in capsys.readouterr().out
@@ -357,11 +357,11 @@ def test_ensure_default_golden_builds_mt_bench_once(
     settings = Settings(home=tmp_path, cache_dir=home, jobs=JobSettings(golden_max_new_tokens=2))
     path = golden.ensure_default_golden(settings, dense)
     assert path == tmp_path / "golden" / "mt-bench.jsonl"
-    items = golden.load_golden(path)
+    items = golden_set.load_golden(path)
     references = mtbench_references(home)
     assert len(items) == len(mtbench_questions(home)) == 80
     assert sum(i.source == "gpt-4" for i in items) == len(references)
     assert {i.source for i in items} == {"gpt-4", f"dense:{smollm.model_id}"}
     path.write_text(path.read_text().splitlines()[0] + "\n")
     assert golden.ensure_default_golden(settings, dense) == path  # existing file left alone
-    assert len(golden.load_golden(path)) == 1
+    assert len(golden_set.load_golden(path)) == 1

@@ -12,7 +12,8 @@ from tqdm import tqdm
 
 from services.cli.common import emit, load
 from services.config import Settings
-from services.workers.golden import freeze, load_golden, read_prompts, write_golden
+from services.workers.golden import freeze
+from services.workers.golden_set import load_golden, read_prompts, write_golden
 from sparse_engine.engine import Engine
 
 log = logging.getLogger(__name__)

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from services.config import Settings
 from services.storage.repository import set_flag
 from services.workers import golden, jobs
+from services.workers.golden_set import load_golden
 from services.workers.jobs import ClaimedJob
 from sparse_engine.artefacts import CalibrationStore
 from sparse_engine.engine import Engine
@@ -39,7 +40,7 @@ def golden_check(
         path = settings.golden_set_path
     else:
         path = golden.ensure_default_golden(settings, engine)
-    items = golden.load_golden(path)
+    items = load_golden(path)
     levels = [Level.parse(name) for name in job.params.get("levels") or settings.jobs.golden_levels]
     max_new_tokens = int(job.params.get("max_new_tokens") or settings.jobs.golden_max_new_tokens)
     results = golden.check(engine, items, levels, max_new_tokens)
