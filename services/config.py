@@ -122,7 +122,7 @@ class JobSettings(BaseModel):
     drift_recalibrate_bleu: float = Field(1.2, ge=0)  # 24 h average
     # Recalibration on recent traffic (when prompt text is kept), else the calibration corpus.
     traffic_window_h: float = Field(24.0, gt=0)
-    traffic_min_prompts: int = Field(50, ge=1)
+    traffic_min_prompts: int = Field(200, ge=1)
 
 
 class Settings(BaseSettings):

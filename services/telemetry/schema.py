@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"  # 1.1 added prompt_text
 SUPPORTED_MAJOR = "1"
 CE_TYPE = "io.sparseguard.telemetry.v1"
 CE_SOURCE = "sparseguard/gateway"
@@ -76,6 +76,9 @@ class TelemetryEvent(BaseModel):
     policy_flags: list[str] = []
     hygiene_flags: list[str] = []
     error: EventError | None = None
+    prompt_text: str | None = Field(
+        None, description="the cleaned prompt, only when the operator keeps prompt text"
+    )
 
     @field_validator("time")
     @classmethod

@@ -1,7 +1,7 @@
 """The golden-set drift check as a job: run dense and each sparse level over the golden set,
 store one run per level, and act. A level over the per-check budget (0.8 BLEU points) raises
-the "golden drift" alert (the aggregator evaluates stored runs); a 24 h average over 1.2
-enqueues a recalibration of that level and sets the model's fine-tune flag."""
+the GoldenDriftHigh alert (the aggregator evaluates the stored runs); a 24 h average over 1.2
+queues a recalibration of that level and raises the model's fine-tune flag."""
 
 from __future__ import annotations
 
@@ -46,31 +46,43 @@ def golden_check(
     results = golden.check(engine, items, levels, max_new_tokens)
     if not results:
         raise ValueError("no sparse level is calibrated; run `sparseguard calibrate --level all`")
-    now = datetime.now(UTC)
-    summary: dict[str, Any] = {"golden_set": str(path), "prompts": len(items), "levels": {}}
     with sessions.begin() as session:
-        golden.store_runs(session, lm.model_id, results, now)
-        for result in results:
-            average = golden.drift_average(session, lm.model_id, result.level, now - DAY)
-            summary["levels"][result.level] = {
-                "drift_bleu": round(result.drift_bleu, 3),
-                "drift_bleu_24h": None if average is None else round(average, 3),
-                "kl_mean": round(result.kl_mean, 4),
-                "answers_changed": result.answers_changed,
-                "over_budget": result.over_budget(settings.jobs.drift_budget_bleu),
-            }
-            if average is not None and average > settings.jobs.drift_recalibrate_bleu:
-                details = {"level": result.level, "drift_bleu_24h": average, "job_id": job.id}
-                set_flag(session, lm.model_id, "finetune", "golden-drift", details)
-                summary["levels"][result.level]["recalibration_job"] = jobs.create_job(
-                    session,
-                    "recalibrate",
-                    f"golden-drift:{result.level}",
-                    {"level": result.level, "model": model},
-                    job.trace_id,
-                ).id
-    for level, figures in summary["levels"].items():
+        by_level = record(session, settings, lm.model_id, results, job, datetime.now(UTC))
+    for level, figures in by_level.items():
         log.info("golden check %s: %s", level, figures)
         if "recalibration_job" in figures:
             jobs.dispatch(celery, figures["recalibration_job"], "recalibrate")
-    return summary
+    return {"golden_set": str(path), "prompts": len(items), "levels": by_level}
+
+
+def record(
+    session: Session,
+    settings: Settings,
+    model_id: str,
+    results: list[golden.LevelDrift],
+    job: ClaimedJob,
+    now: datetime,
+) -> dict[str, dict[str, Any]]:
+    """Store the runs; a level whose 24 h mean drift is over the limit gets a recalibration job
+    (returned as `recalibration_job`, to be sent after the commit) and raises the fine-tune
+    flag. Returns the figures per level."""
+    golden.store_runs(session, model_id, results, now)
+    by_level: dict[str, dict[str, Any]] = {}
+    for result in results:
+        average = golden.drift_average(session, model_id, result.level, now - DAY)
+        figures: dict[str, Any] = {
+            "drift_bleu": round(result.drift_bleu, 3),
+            "drift_bleu_24h": None if average is None else round(average, 3),
+            "kl_mean": round(result.kl_mean, 4),
+            "answers_changed": result.answers_changed,
+            "over_budget": result.over_budget(settings.jobs.drift_budget_bleu),
+        }
+        if average is not None and average > settings.jobs.drift_recalibrate_bleu:
+            details = {"level": result.level, "drift_bleu_24h": average, "golden_job": job.id}
+            set_flag(session, model_id, "finetune", "golden-drift", details)
+            params = {"level": result.level, "model": job.params.get("model")}
+            reason = f"golden-drift:{result.level}"
+            recalibration = jobs.create_job(session, "recalibrate", reason, params, job.trace_id)
+            figures["recalibration_job"] = recalibration.id
+        by_level[result.level] = figures
+    return by_level

@@ -28,7 +28,7 @@ from sparse_engine.models import resolve_model
 from sparse_engine.plan import Level
 
 log = logging.getLogger(__name__)
-TRAFFIC_DOC_CHARS = 1500  # prompts are short: pack them into documents of about this size
+TRAFFIC_DOC_CHARS = 1000  # prompts are short: pack them into samples of about 256 tokens
 TRAFFIC_SCAN_LIMIT = 20_000
 
 
