@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from celery.schedules import crontab
 from prometheus_client import CollectorRegistry
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
@@ -19,7 +20,13 @@ from alerts.evaluator import Sample
 from services.aggregator.alerting import AlertLoop
 from services.aggregator.golden import golden_samples
 from services.aggregator.metrics import AggregatorMetrics
-from services.config import AlertSettings, JobSettings, Settings, TelemetrySettings
+from services.config import (
+    AlertSettings,
+    EngineSettings,
+    JobSettings,
+    Settings,
+    TelemetrySettings,
+)
 from services.storage.db import make_engine, session_factory, upgrade
 from services.storage.models import CalibrationRecord, GoldenRun, JobRun, RequestSummary
 from services.storage.repository import flags
@@ -148,12 +155,12 @@ def test_a_scheduled_job_is_made_once_per_utc_day(
 
 def test_schedules_are_cron_in_utc_and_bad_expressions_say_how_to_fix_them() -> None:
     nightly = cron("0 3 * * *")
-    assert nightly.hour == {3} and nightly.minute == {0}
+    assert nightly == crontab(minute="0", hour="3")
     schedule = beat_schedule(JobSettings())
     assert schedule["golden-check-nightly"]["schedule"] == nightly
     assert "recalibrate-scheduled" not in schedule
     weekly = beat_schedule(JobSettings(recalibrate_cron="30 2 * * 0"))
-    assert weekly["recalibrate-scheduled"]["schedule"].day_of_week == {0}
+    assert weekly["recalibrate-scheduled"]["schedule"] == crontab("30", "2", day_of_week="0")
     with pytest.raises(ValueError, match="needs 5 fields"):
         cron("0 3 * *")
     with pytest.raises(ValueError, match="'0 25 \\* \\* \\*'"):
@@ -310,14 +317,15 @@ def test_recalibration_uses_kept_traffic_only_when_configured(
             event = {"prompt_text": prompt} if i % 2 == 0 else {}
             session.add(_summary(f"t{i}", engine.lm.model_id, event))
     cfg = CalibrationConfig(samples=4, seq_len=64, heldout_tokens=128)
-    base = {"home": tmp_path, "engine": {"calibration_corpus": str(corpus)}}
-    kept = Settings(
-        **base,
-        telemetry=TelemetrySettings(keep_prompt_text=True),
-        jobs=JobSettings(traffic_min_prompts=50),
+    plain = Settings(home=tmp_path, engine=EngineSettings(calibration_corpus=str(corpus)))
+    kept = plain.model_copy(
+        update={
+            "telemetry": TelemetrySettings(keep_prompt_text=True),
+            "jobs": JobSettings(traffic_min_prompts=50),
+        }
     )
     assert _data(kept, sessions, engine.lm, cfg).name == "traffic"
-    assert _data(Settings(**base), sessions, engine.lm, cfg).name == str(corpus)
+    assert _data(plain, sessions, engine.lm, cfg).name == str(corpus)
     too_few = kept.model_copy(update={"jobs": JobSettings(traffic_min_prompts=500)})
     assert _data(too_few, sessions, engine.lm, cfg).name == str(corpus)
     with sessions() as session:
