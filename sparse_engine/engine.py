@@ -29,7 +29,7 @@ __all__ = ["Engine", "Generation", "GenerationRequest", "GenerationStats", "Mess
 class Engine:
     """One model, its level plans, and generation. Hooks live only for the duration of a
     forward pass, so the model is dense whenever no request is running. Not thread-safe: run
-    one request at a time per engine."""
+    one request at a time per engine; only `install` may be called from another thread."""
 
     def __init__(
         self,
@@ -57,13 +57,39 @@ class Engine:
             plans[Level.DENSE] = next(iter(plans.values())).as_dense()
         return cls(lm, plans, prefix_cache)
 
-    def plan(self, level: Level) -> SparsityPlan:
-        if level not in self.plans:
+    def plan(self, level: Level | SparsityPlan) -> SparsityPlan:
+        """The level's current plan; a plan passed in (pinned when a request was admitted) is
+        returned as is, so the request runs on it even after an `install`."""
+        if isinstance(level, SparsityPlan):
+            return level
+        plan = self.plans.get(level)
+        if plan is None:
             raise CalibrationNotFoundError(
                 f"level '{level.value}' has no calibration for {self.lm.model_id}; "
                 f"run `sparseguard calibrate --level {level.value}`"
             )
-        return self.plans[level]
+        return plan
+
+    def install(self, plan: SparsityPlan) -> None:
+        """Make `plan` its level's plan for requests admitted from now on. The plans dict is
+        replaced, never changed in place, so a reader on another thread sees the old or the
+        new one whole. The dense plan gets the silence reference if it had none."""
+        if plan.level is Level.DENSE:
+            raise ValueError("the dense level has no calibration to install")
+        self._check_fits(plan)
+        plans = {**self.plans, plan.level: plan}
+        if plans[Level.DENSE].silence_thresholds is None:
+            plans[Level.DENSE] = plan.as_dense()
+        self.plans = plans
+
+    def _check_fits(self, plan: SparsityPlan) -> None:
+        per_layer = [*plan.thresholds.values(), plan.topk, plan.silence_thresholds]
+        lengths = {len(values) for values in per_layer if values is not None}
+        if lengths - {self.lm.num_layers}:
+            raise ValueError(
+                f"plan {plan.calibration_version} has per-layer settings for "
+                f"{sorted(lengths)} layers but {self.lm.model_id} has {self.lm.num_layers}"
+            )
 
     def encode(self, request: GenerationRequest) -> tuple[list[int], str]:
         """Token ids of the prompt (chat template applied to messages) and its plain text."""
@@ -92,7 +118,10 @@ class Engine:
                 f"the model's context of {context} tokens; shorten the prompt or lower max_tokens"
             )
 
-    def generate(self, request: GenerationRequest, level: Level = Level.DENSE) -> Generation:
+    def generate(
+        self, request: GenerationRequest, level: Level | SparsityPlan = Level.DENSE
+    ) -> Generation:
+        """Stream under `level`'s current plan, or under the given (pinned) plan."""
         plan = self.plan(level)
         ids, plain = self.encode(request)
         self.check_length(len(ids), request.max_new_tokens)

@@ -10,16 +10,21 @@ import torch
 from sparse_engine import signals
 from sparse_engine.engine import Engine
 from sparse_engine.hooks import sparsified
-from sparse_engine.plan import Level
+from sparse_engine.plan import Level, SparsityPlan
 from sparse_engine.recorder import SignalRecorder
 from sparse_engine.requests import GenerationStats, Message
 
 
 def score_answer(
-    engine: Engine, messages: list[Message], answer: str, level: Level, measure_drift: bool
+    engine: Engine,
+    messages: list[Message],
+    answer: str,
+    level: Level | SparsityPlan,
+    measure_drift: bool,
 ) -> GenerationStats:
-    """Signals of `answer` as if the engine had produced it at `level`. Per-step sparsity is
-    per answer position; activation stability is its variation over those positions."""
+    """Signals of `answer` as if the engine had produced it at `level` (or under a pinned
+    plan). Per-step sparsity is per answer position; activation stability is its variation
+    over those positions."""
     plan = engine.plan(level)
     prompt_ids = engine.encode_messages(messages)
     answer_ids = engine.encode_text(answer)

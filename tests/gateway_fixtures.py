@@ -14,7 +14,7 @@ from services.gateway.app import create_app
 from services.serving import serve
 from services.telemetry.schema import TelemetryEvent
 from sparse_engine.engine import Engine, Generation, GenerationRequest
-from sparse_engine.plan import Level
+from sparse_engine.plan import Level, SparsityPlan
 
 
 class RecordingSink:
@@ -47,7 +47,9 @@ class GatedEngine(Engine):
         time.sleep(self.token_delay_s)
         return delta
 
-    def generate(self, request: GenerationRequest, level: Level = Level.DENSE) -> Generation:
+    def generate(
+        self, request: GenerationRequest, level: Level | SparsityPlan = Level.DENSE
+    ) -> Generation:
         self.entered += 1
         self.gate.wait(30)
         generation = super().generate(request, level)

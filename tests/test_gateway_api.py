@@ -190,3 +190,24 @@ def test_api_keys_are_checked(tmp_path: Path) -> None:
     assert admin.status_code == 200 and admin.json()["levels"]["balanced"] == "tiny-balanced"
     # refused requests still produce telemetry: two 401s and one success
     assert sorted(e.error.type if e.error else "ok" for e in sink.events) == ["401", "401", "ok"]
+
+
+def test_prompt_text_reaches_telemetry_only_when_kept(tmp_path: Path, sink: RecordingSink) -> None:
+    assert all(event.prompt_text is None for event in sink.events)  # the default keeps none
+    kept = settings_for(tmp_path)
+    kept = kept.model_copy(
+        update={
+            "telemetry": kept.telemetry.model_copy(
+                update={"keep_prompt_text": True, "prompt_sample_rate": 0.5}
+            )
+        }
+    )
+    recorded = RecordingSink()
+    with running_gateway(kept, tiny_engine(), recorded) as base:
+        for i in range(40):
+            body = {"messages": [{"role": "user", "content": f"Tell me\x07 about {i}"}]}
+            reply = httpx.post(f"{base}/v1/chat/completions", json={**body, "max_tokens": 1})
+            assert reply.status_code == 200
+    texts = [e.prompt_text for e in recorded.events if e.prompt_text is not None]
+    assert 8 <= len(texts) <= 32  # about half, chosen by trace id
+    assert all(t.startswith("Tell me about ") for t in texts)  # the cleaned text

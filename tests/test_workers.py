@@ -1,31 +1,54 @@
-"""Celery jobs against real brokers and real worker processes: a worker killed mid-task leaves
-no partial calibration and the redelivered task completes (Redis); the embedded SQLite
-transport, with beat re-sending a job whose message was lost; the beat lock."""
+"""Celery jobs against real brokers and real worker processes: a recalibration from the admin
+endpoint to a running gateway serving the new version, and a golden-set check on the real
+model (Redis, a Kafka-compatible broker); a worker killed mid-task leaves no partial
+calibration and the redelivered task completes; the embedded SQLite transport, with beat
+re-sending a job whose message was lost; the beat lock."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import httpx
 import pytest
 from kafka import KafkaConsumer, TopicPartition
+from prometheus_client import CollectorRegistry
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from services.aggregator.golden import golden_samples
+from services.aggregator.metrics import AggregatorMetrics
 from services.broker import Broker
 from services.config import Settings
+from services.gateway.app import create_app
+from services.serving import serve
 from services.storage.db import make_engine, session_factory, upgrade
-from services.storage.models import CalibrationRecord, JobRun
+from services.storage.models import CalibrationRecord, GoldenRun, JobRun
 from services.workers import jobs
 from services.workers.app import make_celery
 from services.workers.beat import FileLock, RedisLock, wait_for_lock
+from services.workers.golden_set import GoldenItem, write_golden
 from sparse_engine.artefacts import CalibrationStore
+from sparse_engine.corpora import mtbench_questions, mtbench_references
+from sparse_engine.engine import Engine
+from sparse_engine.loader import LoadedModel
+from sparse_engine.plan import Level
 from tests.polling import wait_until
-from tests.worker_fixtures import REDIS_URL, Process, job_env, needs_redis
+from tests.worker_fixtures import (
+    REDIS_URL,
+    SPARSEGUARD,
+    Process,
+    job_env,
+    needs_redis,
+    redis_available,
+)
 
 
 def settings_from(env: dict[str, str]) -> Settings:
@@ -54,6 +77,134 @@ def job_row(sessions: sessionmaker[Session], job_id: int) -> JobRun:
 
 def status(sessions: sessionmaker[Session], job_id: int) -> str:
     return job_row(sessions, job_id).status
+
+
+@needs_redis
+@pytest.mark.slow
+@dataclass
+class Stack:
+    env: dict[str, str]
+    settings: Settings
+    sessions: sessionmaker[Session]
+    worker: Process
+
+
+@pytest.fixture(scope="module")
+def stack(
+    home: Path, calibrated_store: CalibrationStore, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    """A Kafka-compatible broker, Redis, and one real worker; state in a fresh directory that
+    starts with the session's balanced calibration and a three-prompt golden set."""
+    if not redis_available():
+        pytest.skip(f"no Redis at {REDIS_URL} (start redis-server)")
+    state = tmp_path_factory.mktemp("stack")
+    for cal in calibrated_store.list():
+        CalibrationStore(state / "calibrations").save(cal)
+    questions = mtbench_questions(home)[:3]
+    references = mtbench_references(home)
+    golden_file = state / "golden.jsonl"
+    write_golden(
+        golden_file,
+        [
+            GoldenItem(str(q.question_id), q.turns[0], references.get(q.question_id, q.turns[0]))
+            for q in questions
+        ],
+    )
+    broker = Broker()
+    broker.start()
+    env = job_env(
+        state,
+        home,
+        jobs__broker_url=REDIS_URL,
+        telemetry__bootstrap_servers=broker.bootstrap,
+        jobs__golden_set=str(golden_file),
+        jobs__golden_max_new_tokens=12,
+        jobs__golden_levels='["balanced"]',
+    )
+    worker = Process(["worker"], env, state / "worker.log")
+    try:
+        settings = settings_from(env)
+        yield Stack(env, settings, sessions_for(settings), worker)
+    finally:
+        worker.stop()
+        broker.stop()
+
+
+@pytest.mark.slow
+def test_a_recalibration_reaches_a_running_gateway_without_a_restart(
+    stack: Stack, smollm: LoadedModel
+) -> None:
+    engine = Engine.from_store(smollm, CalibrationStore(stack.settings.calibrations_dir))
+    old = engine.plan(Level.BALANCED).calibration_version
+    app = create_app(stack.settings, engine=engine)
+    with serve(app) as url, httpx.Client(base_url=url, timeout=60) as client:
+        wait_until(lambda: app.state.runtime.control.ready.is_set(), 30)
+        queued = client.post("/admin/recalibrate", json={"level": "balanced"})
+        assert queued.status_code == 202, queued.text
+        job_id = queued.json()["job_id"]
+
+        def finished() -> bool:
+            return client.get(f"/admin/jobs/{job_id}").json()["status"] in ("succeeded", "failed")
+
+        wait_until(finished, 300, 1.0)
+        job = client.get(f"/admin/jobs/{job_id}").json()
+        assert job["status"] == "succeeded", stack.worker.output()[-3000:]
+        new = job["result"]["version"]
+        assert new != old
+
+        def serving() -> str:
+            reply = client.post(
+                "/v1/chat/completions",
+                json={
+                    "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                    "max_tokens": 4,
+                    "ir_sparse_level": "balanced",
+                },
+            )
+            assert reply.status_code == 200, reply.text
+            return reply.headers["X-IR-Calibration"]
+
+        wait_until(lambda: serving() == new, 30, 0.5)
+    assert engine.plan(Level.BALANCED).calibration_version == new
+    with stack.sessions() as session:
+        record = session.get(CalibrationRecord, new)
+    assert record is not None and record.reason == "operator"
+    assert (
+        published_versions(
+            stack.settings.telemetry.bootstrap_servers, stack.settings.telemetry.control_topic
+        )[-1]
+        == new
+    )
+
+
+@pytest.mark.slow
+def test_a_golden_check_on_a_worker_stores_runs_and_exposes_metrics(stack: Stack) -> None:
+    done = subprocess.run(
+        [str(SPARSEGUARD), "jobs", "golden-check", "--now", "--wait", "--timeout", "300"],
+        env=stack.env,
+        capture_output=True,
+        text=True,
+        timeout=330,
+    )
+    assert done.returncode == 0, done.stderr[-3000:] + stack.worker.output()[-3000:]
+    job = json.loads(done.stdout[done.stdout.index("{") :])
+    assert job["status"] == "succeeded" and job["reason"] == "operator"
+    figures = job["result"]["levels"]["balanced"]
+    with stack.sessions() as session:
+        (run,) = session.scalars(select(GoldenRun)).all()
+        registry = CollectorRegistry()
+        samples = golden_samples(session, datetime.now(UTC), AggregatorMetrics(registry))
+    assert run.prompts == 3 and run.level == "balanced"
+    assert 0.0 <= run.bleu_dense <= 100.0 and 0.0 <= run.bleu_sparse <= 100.0
+    assert run.drift_bleu == pytest.approx(run.bleu_dense - run.bleu_sparse)
+    assert run.kl_mean >= 0.0 and 0 <= run.answers_changed <= 3
+    assert figures["drift_bleu"] == pytest.approx(run.drift_bleu, abs=1e-3)
+    labels = {"model": run.model_id, "level": "balanced"}
+    assert registry.get_sample_value("sparseguard_golden_drift_bleu_points", labels) == (
+        run.drift_bleu
+    )
+    assert samples[0].values["golden_check_age_s"] is not None
+    assert samples[0].values["golden_check_age_s"] < 600
 
 
 @needs_redis

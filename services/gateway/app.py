@@ -1,5 +1,6 @@
 """The gateway application: `create_app(settings)` builds it; the lifespan loads the engine
-(unless one is given), starts the worker and telemetry, and closes them on shutdown."""
+(unless one is given), starts the worker, telemetry and the control listener (new calibrations
+without a restart), and closes them on shutdown."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from services.gateway.errors import ApiError, install_error_handlers, is_anthrop
 from services.gateway.events import record_rejected
 from services.gateway.limits import BodySizeLimit
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.routes_admin import router as admin_router
 from services.gateway.routes_chat import router as chat_router
 from services.gateway.routes_system import router as system_router
 from services.gateway.runtime import Runtime, TelemetrySink
@@ -51,6 +53,7 @@ def create_app(
     install_error_handlers(app, _on_reject)
     app.include_router(chat_router)
     app.include_router(system_router)
+    app.include_router(admin_router)
     return app
 
 
@@ -81,12 +84,20 @@ async def _start(
     if upstream is None and settings.gateway.mode == "proxy":
         upstream = await stack.enter_async_context(httpx.AsyncClient())
     registry = registry or CollectorRegistry()
-    return Runtime(settings, engine, worker, GatewayMetrics(registry), registry, sink, upstream)
+    rt = Runtime(settings, engine, worker, GatewayMetrics(registry), registry, sink, upstream)
+    stack.callback(rt.jobs.close)
+    if settings.telemetry.enabled:
+        from services.gateway.control import ControlListener
+
+        rt.control = ControlListener(settings, engine, rt.metrics.calibration_reloads)
+        rt.control.start()
+        stack.callback(rt.control.stop)
+    return rt
 
 
 def build_engine(settings: Settings) -> Engine:
     if settings.engine.threads:
         torch.set_num_threads(settings.engine.threads)
-    lm = load_model(resolve_model(settings.engine.model, settings.home))
+    lm = load_model(resolve_model(settings.engine.model, settings.cache_home))
     cache = PrefixCache() if settings.engine.prefix_cache_entries else None
     return Engine.from_store(lm, CalibrationStore(settings.calibrations_dir), cache)

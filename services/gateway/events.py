@@ -8,7 +8,7 @@ import uuid
 from datetime import UTC, datetime
 
 from services.gateway.errors import ApiError
-from services.gateway.pipeline import Final, Prepared
+from services.gateway.pipeline import Final, Prepared, sampled_share
 from services.gateway.runtime import Runtime
 from services.telemetry.schema import EventError, TelemetryEvent
 
@@ -88,7 +88,16 @@ def build_event(
         policy_flags=list(p.decision.changes),
         hygiene_flags=list(p.hygiene_flags),
         error=EventError(type=str(error.status), message=error.message) if error else None,
+        prompt_text=_kept_prompt(rt, p) if error is None else None,
     )
+
+
+def _kept_prompt(rt: Runtime, p: Prepared) -> str | None:
+    """The cleaned prompt, for a sampled share of requests, only when the operator opted in."""
+    cfg = rt.settings.telemetry
+    if not cfg.keep_prompt_text or not sampled_share(p.trace_id, cfg.prompt_sample_rate, "p"):
+        return None
+    return "\n\n".join(m["content"] for m in p.chat.messages if m["content"].strip())
 
 
 def _observe(rt: Runtime, p: Prepared, final: Final | None, error: ApiError | None) -> None:

@@ -43,6 +43,12 @@ GATEWAY_METRICS = (
     ),
     MetricSpec("gateway_queue_rejections_total", Counter, "Requests refused with 429"),
     MetricSpec("gateway_policy_changes_total", Counter, "Policy changes applied", ("kind",)),
+    MetricSpec(
+        "calibration_reloads_total",
+        Counter,
+        "Calibration versions installed without a restart",
+        ("level",),
+    ),
     MetricSpec("gateway_queue_depth", Gauge, "Requests waiting for the engine"),
     MetricSpec("telemetry_spool_bytes", Gauge, "Bytes of telemetry waiting in the local spool"),
     MetricSpec(
@@ -65,6 +71,7 @@ class GatewayMetrics:
         self.cache_mismatches = cast(Counter, m["gateway_prefix_cache_mismatches_total"])
         self.rejections = cast(Counter, m["gateway_queue_rejections_total"])
         self.policy_changes = cast(Counter, m["gateway_policy_changes_total"])
+        self.calibration_reloads = cast(Counter, m["calibration_reloads_total"])
         self.queue_depth = cast(Gauge, m["gateway_queue_depth"])
         self.spool_bytes = cast(Gauge, m["telemetry_spool_bytes"])
         self.dropped = cast(Gauge, m["telemetry_events_dropped"])

@@ -22,7 +22,7 @@ from services.gateway.trust import Trust, assess
 from services.gateway.upstream import stream_upstream
 from services.gateway.worker import Emit, Job, JobFn, QueueFullError
 from sparse_engine.artefacts import CalibrationNotFoundError
-from sparse_engine.plan import Level
+from sparse_engine.plan import Level, SparsityPlan
 from sparse_engine.requests import GenerationRequest, GenerationStats
 from sparse_engine.scoring import score_answer
 
@@ -31,14 +31,21 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class Prepared:
+    """A request admitted under `plan`, pinned here so that it runs, is labelled and is
+    reported under one calibration even when a new one is installed while it waits or runs."""
+
     chat: ChatInput
     decision: PolicyDecision
     hygiene_flags: tuple[str, ...]
     trace_id: str
-    calibration_version: str | None
+    plan: SparsityPlan
     measure_drift: bool
     started: float
     started_at: datetime
+
+    @property
+    def calibration_version(self) -> str | None:
+        return self.plan.calibration_version
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,13 +68,16 @@ def prepare(rt: Runtime, chat: ChatInput) -> Prepared:
         raise ApiError(400, "messages: at least one non-system message with text is required")
     chat = replace(chat, messages=messages)
     decision = _decide(rt, chat)
-    version = _calibration(rt, decision.level)
+    plan = _pin_plan(rt, decision.level)
     rate = rt.settings.engine.drift_sample_rate
-    sampled = zlib.crc32(trace_id.encode()) % 10_000 < rate * 10_000
+    sampled = sampled_share(trace_id, rate)
     now = datetime.now(UTC)
-    return Prepared(
-        chat, decision, tuple(flags), trace_id, version, sampled, time.perf_counter(), now
-    )
+    return Prepared(chat, decision, tuple(flags), trace_id, plan, sampled, time.perf_counter(), now)
+
+
+def sampled_share(trace_id: str, rate: float, salt: str = "") -> bool:
+    """A stable pseudo-random choice of `rate` of the requests, by trace id."""
+    return zlib.crc32((salt + trace_id).encode()) % 10_000 < rate * 10_000
 
 
 def upfront_headers(p: Prepared) -> dict[str, str]:
@@ -116,7 +126,7 @@ async def _serve(rt: Runtime, p: Prepared) -> AsyncIterator[str | Final]:
     )
 
     def run(emit: Emit, cancel: threading.Event) -> GenerationStats:
-        generation = rt.engine.generate(request, p.decision.level)
+        generation = rt.engine.generate(request, p.plan)
         for delta in generation:
             emit(delta)
             if cancel.is_set():
@@ -137,10 +147,9 @@ async def _proxy(rt: Runtime, p: Prepared) -> AsyncIterator[str | Final]:
         parts.append(delta)
         yield delta
     answer = "".join(parts)
-    level, drift = p.decision.level, p.measure_drift
 
     def run(emit: Emit, cancel: threading.Event) -> GenerationStats:
-        return score_answer(rt.engine, p.chat.messages, answer, level, drift)
+        return score_answer(rt.engine, p.chat.messages, answer, p.plan, p.measure_drift)
 
     async for item in _drain(_submit(rt, run)):
         if isinstance(item, Final):
@@ -202,8 +211,8 @@ def _decide(rt: Runtime, chat: ChatInput) -> PolicyDecision:
         raise ApiError(400, str(exc)) from None
 
 
-def _calibration(rt: Runtime, level: Level) -> str | None:
+def _pin_plan(rt: Runtime, level: Level) -> SparsityPlan:
     try:
-        return rt.engine.plan(level).calibration_version
+        return rt.engine.plan(level)
     except CalibrationNotFoundError:
         raise ApiError(400, f"level '{level.value}' is not calibrated on this gateway") from None

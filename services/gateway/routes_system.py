@@ -1,15 +1,14 @@
-"""GET /v1/models, /healthz, /readyz, /metrics."""
+"""GET /v1/models, /healthz, /readyz, /metrics (the admin views are in routes_admin)."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.gateway.deps import AdminDep, PrincipalDep, RuntimeDep
+from services.gateway.deps import PrincipalDep, RuntimeDep
 
 router = APIRouter()
 STARTED = int(time.time())
@@ -47,26 +46,6 @@ async def metrics(rt: RuntimeDep) -> Response:
         rt.metrics.spool_bytes.set(current.spool_bytes)
         rt.metrics.dropped.set(current.dropped)
     return Response(generate_latest(rt.registry), media_type=CONTENT_TYPE_LATEST)
-
-
-@router.get("/admin/status")
-async def admin_status(rt: RuntimeDep, _: AdminDep) -> dict[str, object]:
-    """Operator view: calibration per level, queue, prefix cache and telemetry state."""
-    cache = rt.engine.prefix_cache
-    stats = getattr(rt.sink, "stats", None)
-    return {
-        "model": rt.engine.lm.model_id,
-        "mode": rt.settings.gateway.mode,
-        "levels": {
-            level.value: plan.calibration_version for level, plan in rt.engine.plans.items()
-        },
-        "queue_depth": rt.worker.depth,
-        "prefix_cache": {
-            "entries": len(cache) if cache else 0,
-            "mismatches": cache.mismatches if cache else 0,
-        },
-        "telemetry": dataclasses.asdict(stats()) if callable(stats) else None,
-    }
 
 
 def _broker_ok(rt: RuntimeDep) -> bool:

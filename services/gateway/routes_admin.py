@@ -1,0 +1,102 @@
+"""Operator endpoints (admin key): GET /admin/status, POST /admin/recalibrate (queues a
+recalibration job) and GET /admin/jobs/{job_id} (follows it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from datetime import datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Path
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.gateway.deps import AdminDep, RuntimeDep
+from services.gateway.errors import ApiError
+from services.storage.models import JobRun
+from services.workers.jobs import submit
+from sparse_engine.plan import SPARSE_LEVELS, Level
+
+router = APIRouter(prefix="/admin")
+JobId = Annotated[int, Path(ge=1, le=2**63 - 1)]  # a database integer
+
+
+class RecalibrateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    level: str = Field(max_length=32)
+    model: str | None = Field(None, max_length=256)
+
+
+class JobQueued(BaseModel):
+    job_id: int
+    status: str
+
+
+class JobView(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+    id: int
+    kind: str
+    status: str
+    reason: str
+    params: dict[str, Any]
+    result: dict[str, Any] | None
+    trace_id: str | None
+    attempts: int
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+@router.get("/status")
+async def admin_status(rt: RuntimeDep, _: AdminDep) -> dict[str, object]:
+    """Operator view: calibration per level, queue, prefix cache, telemetry and control."""
+    cache = rt.engine.prefix_cache
+    stats = getattr(rt.sink, "stats", None)
+    return {
+        "model": rt.engine.lm.model_id,
+        "mode": rt.settings.gateway.mode,
+        "levels": {
+            level.value: plan.calibration_version for level, plan in rt.engine.plans.items()
+        },
+        "queue_depth": rt.worker.depth,
+        "prefix_cache": {
+            "entries": len(cache) if cache else 0,
+            "mismatches": cache.mismatches if cache else 0,
+        },
+        "telemetry": dataclasses.asdict(stats()) if callable(stats) else None,
+        "control_listener": rt.control.ready.is_set() if rt.control else None,
+    }
+
+
+# Plain `def` handlers: the job table and the broker are blocking clients, run in a thread.
+@router.post("/recalibrate", status_code=202)
+def recalibrate(body: RecalibrateRequest, rt: RuntimeDep, _: AdminDep) -> JobQueued:
+    """Queue a recalibration of `level` (this gateway's model unless `model` is given); the
+    new version reaches every gateway on the control topic once the job has made it."""
+    level = _sparse_level(body.level)
+    params = {"level": level.value, "model": body.model or rt.settings.engine.model}
+    sessions, celery = rt.jobs.open()
+    trace_id = uuid.uuid4().hex
+    job_id = submit(sessions, celery, "recalibrate", "operator", params, trace_id=trace_id)
+    return JobQueued(job_id=job_id, status="queued")
+
+
+@router.get("/jobs/{job_id}")
+def job(job_id: JobId, rt: RuntimeDep, _: AdminDep) -> JobView:
+    sessions, _celery = rt.jobs.open()
+    with sessions() as session:
+        row = session.get(JobRun, job_id)
+        if row is None:
+            raise ApiError(404, f"no job {job_id}; POST /admin/recalibrate returns the job id")
+        return JobView.model_validate(row)
+
+
+def _sparse_level(name: str) -> Level:
+    choices = ", ".join(level.value for level in SPARSE_LEVELS)
+    try:
+        level = Level.parse(name)
+    except ValueError:
+        raise ApiError(400, f"unknown level '{name}'; choose one of: {choices}") from None
+    if level not in SPARSE_LEVELS:
+        raise ApiError(400, f"the dense level has no calibration; choose one of: {choices}")
+    return level
