@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from alerts.evaluator import Sample
 from services.aggregator.alerting import AlertLoop
-from services.aggregator.golden import golden_samples
+from services.aggregator.job_figures import job_samples
 from services.aggregator.metrics import AggregatorMetrics
 from services.config import (
     AlertSettings,
@@ -264,11 +264,11 @@ def test_a_24h_drift_mean_over_the_limit_queues_recalibration_and_flags_the_mode
     assert raised == [("m1", "finetune")]
 
 
-def test_golden_figures_become_samples_and_gauges(sessions: sessionmaker[Session]) -> None:
+def test_job_figures_become_samples_and_gauges(sessions: sessionmaker[Session]) -> None:
     registry = CollectorRegistry()
     metrics = AggregatorMetrics(registry)
     with sessions() as session:
-        [age] = golden_samples(session, NOW, metrics)
+        [age] = job_samples(session, NOW, metrics)
     assert age.values == {"golden_check_age_s": None}  # nothing to measure from yet
     with sessions.begin() as session:
         session.add(
@@ -283,7 +283,7 @@ def test_golden_figures_become_samples_and_gauges(sessions: sessionmaker[Session
             )
         )
     with sessions() as session:
-        [age] = golden_samples(session, NOW, metrics)
+        [age] = job_samples(session, NOW, metrics)
     assert age.values["golden_check_age_s"] == 30 * 3600  # no check since the first calibration
     job = ClaimedJob(1, "golden_check", "schedule", {}, 1)
     settings = Settings(home=Path("/nonexistent"))
@@ -291,7 +291,7 @@ def test_golden_figures_become_samples_and_gauges(sessions: sessionmaker[Session
         record(session, settings, "m1", [drift("aggressive", 1.0)], job, NOW - timedelta(hours=3))
         record(session, settings, "m1", [drift("aggressive", 2.0)], job, NOW - timedelta(hours=1))
     with sessions() as session:
-        samples = golden_samples(session, NOW, metrics)
+        samples = job_samples(session, NOW, metrics)
     assert samples[0].values["golden_check_age_s"] == 3600
     assert samples[1].labels == {"model": "m1", "level": "aggressive"}
     assert samples[1].values == {"golden_drift_bleu": 2.0}
@@ -301,6 +301,8 @@ def test_golden_figures_become_samples_and_gauges(sessions: sessionmaker[Session
     assert gauge("sparseguard_golden_drift_bleu_24h_points", labels) == 1.5
     assert gauge("sparseguard_golden_check_age_seconds") == 3600
     assert gauge("sparseguard_model_flag", {"model": "m1", "flag": "finetune"}) == 1.0
+    assert gauge("sparseguard_job_runs", {"kind": "recalibrate", "status": "queued"}) == 1.0
+    assert gauge("sparseguard_job_runs", {"kind": "golden_check", "status": "failed"}) == 0.0
 
 
 def test_recalibration_uses_kept_traffic_only_when_configured(

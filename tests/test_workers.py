@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.aggregator.golden import golden_samples
+from services.aggregator.job_figures import job_samples
 from services.aggregator.metrics import AggregatorMetrics
 from services.broker import Broker
 from services.config import Settings
@@ -193,7 +193,7 @@ def test_a_golden_check_on_a_worker_stores_runs_and_exposes_metrics(stack: Stack
     with stack.sessions() as session:
         (run,) = session.scalars(select(GoldenRun)).all()
         registry = CollectorRegistry()
-        samples = golden_samples(session, datetime.now(UTC), AggregatorMetrics(registry))
+        samples = job_samples(session, datetime.now(UTC), AggregatorMetrics(registry))
     assert run.prompts == 3 and run.level == "balanced"
     assert 0.0 <= run.bleu_dense <= 100.0 and 0.0 <= run.bleu_sparse <= 100.0
     assert run.drift_bleu == pytest.approx(run.bleu_dense - run.bleu_sparse)

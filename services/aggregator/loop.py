@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from alerts.samples import pipeline_sample
 from services.aggregator import windows
 from services.aggregator.alerting import AlertLoop
-from services.aggregator.golden import golden_samples
+from services.aggregator.job_figures import job_samples
 from services.aggregator.metrics import AggregatorMetrics
 from services.aggregator.records import KafkaRecord, dead_letter_headers, parse_records, summary_row
 from services.aggregator.summary import WindowSummary
@@ -154,7 +154,7 @@ class Aggregator:
             return 0
         pipeline = [pipeline_sample("consumer_lag_events", self.lag_total, component="aggregator")]
         with self.sessions() as session:
-            pipeline += golden_samples(session, datetime.now(UTC), self.metrics)
+            pipeline += job_samples(session, datetime.now(UTC), self.metrics)
         return len(self.alerting.tick(self.snapshot(), pipeline))
 
     def snapshot(self) -> dict[tuple[str, str], dict[str, WindowSummary]]:

@@ -64,6 +64,9 @@ AGGREGATOR_METRICS = (
         "golden_drift_bleu_points", Gauge, "Latest golden-set BLEU drift (dense - sparse)", KEY
     ),
     MetricSpec("golden_drift_bleu_24h_points", Gauge, "Mean golden-set BLEU drift over 24 h", KEY),
+    MetricSpec(
+        "job_runs", Gauge, "Background job runs stored, by kind and status", ("kind", "status")
+    ),
     MetricSpec("model_flag", Gauge, "Standing model flags (1 = raised)", ("model", "flag")),
     MetricSpec(
         "window_silence_rate_ratio",

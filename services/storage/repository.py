@@ -16,6 +16,7 @@ from services.storage.models import (
     Base,
     CalibrationRecord,
     GoldenRun,
+    JobRun,
     ModelFlag,
     RequestSummary,
     WindowSnapshot,
@@ -195,3 +196,11 @@ def last_golden_run_at(session: Session) -> datetime | None:
 
 def first_calibration_at(session: Session) -> datetime | None:
     return session.scalar(select(func.min(CalibrationRecord.created_at)))
+
+
+def job_counts(session: Session) -> dict[tuple[str, str], int]:
+    """(kind, status) -> number of job runs."""
+    rows = session.execute(
+        select(JobRun.kind, JobRun.status, func.count()).group_by(JobRun.kind, JobRun.status)
+    )
+    return {(kind, status): count for kind, status, count in rows}

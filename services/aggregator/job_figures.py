@@ -1,5 +1,6 @@
-"""Golden-set figures for alerts and Prometheus, read from the stored runs: the age of the last
-check (a missed night fires GoldenCheckMissed), each level's latest drift and its 24 h mean."""
+"""Job figures for alerts and Prometheus, read from SQL: the age of the last golden-set check (a
+missed night fires GoldenCheckMissed), each level's latest golden drift and its 24 h mean, job
+runs by kind and status, and standing model flags."""
 
 from __future__ import annotations
 
@@ -9,17 +10,20 @@ from sqlalchemy.orm import Session
 
 from alerts.samples import Sample, pipeline_sample
 from services.aggregator.metrics import AggregatorMetrics
+from services.storage.models import JOB_STATUSES
 from services.storage.repository import (
     first_calibration_at,
     flags,
     golden_runs_since,
+    job_counts,
     last_golden_run_at,
 )
+from services.workers.app import TASKS
 
 DAY = timedelta(hours=24)
 
 
-def golden_samples(session: Session, now: datetime, metrics: AggregatorMetrics) -> list[Sample]:
+def job_samples(session: Session, now: datetime, metrics: AggregatorMetrics) -> list[Sample]:
     """Samples for the evaluator; also sets the golden and fine-tune-flag gauges."""
     # Before the first check, the age counts from the first calibration: a system that has
     # served for over a day without a check has missed one.
@@ -39,6 +43,10 @@ def golden_samples(session: Session, now: datetime, metrics: AggregatorMetrics) 
         metrics.gauge("golden_drift_bleu_points").labels(model, level).set(drift)
         metrics.gauge("golden_drift_bleu_24h_points").labels(model, level).set(mean)
         samples.append(pipeline_sample("golden_drift_bleu", drift, model=model, level=level))
+    counts = job_counts(session)
+    for kind in TASKS:
+        for status in JOB_STATUSES:
+            metrics.gauge("job_runs").labels(kind, status).set(counts.get((kind, status), 0))
     metrics.gauge("model_flag").clear()  # a cleared flag disappears
     for flag in flags(session):
         metrics.gauge("model_flag").labels(flag.model_id, flag.flag).set(1)
