@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 SG := $(VENV)/bin/sparseguard
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench fmt clean promtool
+.PHONY: run test lint bench fmt clean tools compose-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -16,14 +16,24 @@ run: $(STAMP)
 	$(SG) model fetch
 	$(SG) calibrate --level all --if-missing
 	$(SG) probe
+	$(SG) up
 
-test: $(STAMP) promtool
+test: $(STAMP) tools
 	$(PY) -m pytest -q
 
-# The exported Prometheus rules are checked with promtool (Debian package `prometheus`).
-promtool:
-	@command -v promtool >/dev/null || { apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
+# Debian tools the tests use, installed when missing: promtool (package prometheus) checks the
+# exported alert rules; docker-compose (v1.29, no engine needed) validates docker-compose.yml
+# offline; chromium renders the status page.
+tools:
+	@missing=""; \
+	command -v promtool >/dev/null || missing="$$missing prometheus"; \
+	command -v docker-compose >/dev/null || missing="$$missing docker-compose"; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	if [ -n "$$missing" ]; then apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; fi
+
+compose-check: $(STAMP) tools
+	$(PY) -m pytest -q tests/test_compose.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

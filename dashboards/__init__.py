@@ -1,0 +1,53 @@
+"""SparseGuard's Grafana dashboards as code: the four dashboards (`DASHBOARDS`), their JSON
+(`render`, `write_all`; committed under dashboards/json, provisioned from there) and their
+queries as plain PromQL (`queries`). Builders: dashboards/model.py; upload: dashboards/push.py."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from dashboards.jobs import JOBS
+from dashboards.model import Dashboard
+from dashboards.overview import OVERVIEW
+from dashboards.pipeline import PIPELINE
+from dashboards.silence import SILENCE
+
+DASHBOARDS: tuple[Dashboard, ...] = (OVERVIEW, SILENCE, PIPELINE, JOBS)
+JSON_DIR = Path(__file__).parent / "json"
+PROVISIONING_DIR = Path(__file__).parent / "provisioning"
+# What each template variable becomes when a query runs on Prometheus directly.
+DEFAULTS = {"model": ".*", "level": ".*", "__rate_interval": "5m"}
+VARIABLE = re.compile(r"\$\{?(\w+)\}?")
+
+
+def render(dashboard: Dashboard) -> str:
+    """The dashboard's JSON text: sorted keys, indent 2, trailing newline (stable diffs)."""
+    return json.dumps(dashboard.to_json(), indent=2, sort_keys=True) + "\n"
+
+
+def write_all(out: Path = JSON_DIR) -> list[Path]:
+    """Write every dashboard to `out/<uid>.json`; returns the paths written."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for dashboard in DASHBOARDS:
+        path = out / f"{dashboard.uid}.json"
+        path.write_text(render(dashboard), encoding="utf-8")
+        paths.append(path)
+    return paths
+
+
+def substitute(expr: str) -> str:
+    """`expr` with the template variables replaced by `DEFAULTS` (all models and levels)."""
+    return VARIABLE.sub(lambda m: DEFAULTS[m.group(1)], expr)
+
+
+def queries() -> list[tuple[str, str, str]]:
+    """(dashboard uid, panel title, PromQL runnable on Prometheus) for every panel target."""
+    return [
+        (dashboard.uid, panel.title, substitute(target.expr))
+        for dashboard in DASHBOARDS
+        for panel in dashboard.panels()
+        for target in panel.targets
+    ]

@@ -12,12 +12,15 @@ from services.cli import (
     alerts,
     bench,
     calibration,
+    dashboards,
     data,
     db,
+    demo,
     gateway,
     golden,
     jobs,
     probe,
+    up,
 )
 from services.config import Settings
 
@@ -29,7 +32,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparseguard", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (data, calibration, probe, bench, gateway, aggregator, alerts, db, jobs, golden):
+    for module in (
+        data,
+        calibration,
+        probe,
+        bench,
+        gateway,
+        aggregator,
+        alerts,
+        db,
+        jobs,
+        golden,
+        dashboards,
+        up,
+        demo,
+    ):
         module.register(commands)
     return parser
 
@@ -42,6 +59,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if not args.verbose:  # client libraries log every request and rebalance at INFO
+        for noisy in ("kafka", "httpx"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
     handler: Handler = args.handler
     try:
         return handler(args, settings)

