@@ -16,7 +16,7 @@ from services.config import Settings
 from sparse_engine import corpora
 
 log = logging.getLogger(__name__)
-LEVELS = ("auto", "conservative", "balanced", "aggressive")
+SPARSE = ("conservative", "balanced", "aggressive")
 MAX_PROMPT_CHARS = 600
 
 
@@ -47,11 +47,24 @@ def run_demo(args: argparse.Namespace, settings: Settings) -> int:
             client.get("/healthz").raise_for_status()
         except httpx.HTTPError as exc:
             raise OSError(f"no gateway at {url} ({exc}); start one with `make run`") from None
-        emit(f"sending {len(texts)} real prompts to {url}")
+        levels = served_levels(client)
+        emit(f"sending {len(texts)} real prompts to {url} at {', '.join(levels)}")
         for i, text in enumerate(texts, 1):
-            emit(ask(client, text, LEVELS[i % len(LEVELS)], args.max_tokens, i))
+            emit(ask(client, text, levels[i % len(levels)], args.max_tokens, i))
     emit(summary(aggregator))
     return 0
+
+
+def served_levels(client: httpx.Client) -> list[str]:
+    """The sparse levels the gateway has calibrations for, plus `auto` when it has them all."""
+    reply = client.get("/v1/models")
+    if reply.status_code in (401, 403):
+        raise ValueError("the gateway wants an API key: pass --key")
+    served = reply.json()["data"][0].get("ir_sparse_levels", [])
+    levels = [level for level in SPARSE if level in served]
+    if not levels:
+        raise LookupError("the gateway serves no sparse level; run `sparseguard calibrate`")
+    return ["auto", *levels] if len(levels) == len(SPARSE) else levels
 
 
 def ask(client: httpx.Client, text: str, level: str, max_tokens: int, n: int) -> str:

@@ -22,6 +22,7 @@ from services.gateway.routes_admin import router as admin_router
 from services.gateway.routes_chat import router as chat_router
 from services.gateway.routes_system import router as system_router
 from services.gateway.runtime import Runtime, TelemetrySink
+from services.gateway.status import router as status_router
 from services.gateway.worker import EngineWorker
 from sparse_engine.artefacts import CalibrationStore
 from sparse_engine.engine import Engine
@@ -54,6 +55,7 @@ def create_app(
     app.include_router(chat_router)
     app.include_router(system_router)
     app.include_router(admin_router)
+    app.include_router(status_router)
     return app
 
 

@@ -21,6 +21,7 @@ async def models(rt: RuntimeDep, _: PrincipalDep) -> dict[str, object]:
         "object": "model",
         "created": STARTED,
         "owned_by": "sparseguard",
+        "ir_sparse_levels": [level.value for level in rt.engine.plans],
     }
     return {"object": "list", "data": [model]}
 

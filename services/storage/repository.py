@@ -9,10 +9,11 @@ from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, defer
 
 from services.storage.models import (
     TRACE_ID_LENGTH,
+    AlertRecord,
     Base,
     CalibrationRecord,
     GoldenRun,
@@ -204,3 +205,95 @@ def job_counts(session: Session) -> dict[tuple[str, str], int]:
         select(JobRun.kind, JobRun.status, func.count()).group_by(JobRun.kind, JobRun.status)
     )
     return {(kind, status): count for kind, status, count in rows}
+
+
+def current_snapshots(session: Session, since: datetime) -> list[WindowSnapshot]:
+    """The newest snapshot of every (model, level, window) whose window ends at or after
+    `since` (older keys are gone), ordered by model, level and window."""
+    keys = (WindowSnapshot.model, WindowSnapshot.level, WindowSnapshot.window)
+    ranked = (
+        select(
+            WindowSnapshot.id,
+            func.row_number()
+            .over(
+                partition_by=keys,
+                order_by=(
+                    WindowSnapshot.window_end.desc(),
+                    WindowSnapshot.taken_at.desc(),
+                    WindowSnapshot.id.desc(),
+                ),
+            )
+            .label("rank"),
+        ).where(WindowSnapshot.window_end >= since)
+    ).subquery()
+    statement = (
+        select(WindowSnapshot)
+        .join(ranked, ranked.c.id == WindowSnapshot.id)
+        .where(ranked.c.rank == 1)
+        .order_by(*keys)
+    )
+    return list(session.scalars(statement))
+
+
+def snapshots_since(session: Session, window: str, since: datetime) -> list[WindowSnapshot]:
+    """Every snapshot of `window` taken at or after `since`, per model and level, oldest first."""
+    statement = (
+        select(WindowSnapshot)
+        .where(WindowSnapshot.window == window, WindowSnapshot.taken_at >= since)
+        .order_by(
+            WindowSnapshot.model, WindowSnapshot.level, WindowSnapshot.taken_at, WindowSnapshot.id
+        )
+    )
+    return list(session.scalars(statement))
+
+
+def recent_alerts(session: Session, limit: int = 20) -> list[AlertRecord]:
+    """The latest state of each alert (by fingerprint), most recently changed first."""
+    ranked = (
+        select(
+            AlertRecord.id,
+            func.row_number()
+            .over(
+                partition_by=AlertRecord.fingerprint,
+                order_by=(AlertRecord.updated_at.desc(), AlertRecord.id.desc()),
+            )
+            .label("rank"),
+        )
+    ).subquery()
+    statement = (
+        select(AlertRecord)
+        .join(ranked, ranked.c.id == AlertRecord.id)
+        .where(ranked.c.rank == 1)
+        .order_by(AlertRecord.updated_at.desc(), AlertRecord.id.desc())
+        .limit(limit)
+    )
+    return list(session.scalars(statement))
+
+
+def recent_trust_actions(
+    session: Session, since: datetime, limit: int = 20
+) -> list[RequestSummary]:
+    """Requests since `since` whose trust decision was an action (not "none"), newest first."""
+    statement = (
+        select(RequestSummary)
+        .options(defer(RequestSummary.event))
+        .where(
+            RequestSummary.time >= since,
+            RequestSummary.trust_action.is_not(None),
+            RequestSummary.trust_action != "none",
+        )
+        .order_by(RequestSummary.time.desc(), RequestSummary.id.desc())
+        .limit(limit)
+    )
+    return list(session.scalars(statement))
+
+
+def recent_calibrations(session: Session, limit: int = 20) -> list[CalibrationRecord]:
+    """Calibration versions, newest first, without their (large) artefacts."""
+    statement = (
+        select(CalibrationRecord)
+        .options(defer(CalibrationRecord.artefact))
+        .order_by(CalibrationRecord.created_at.desc(), CalibrationRecord.version)
+        .limit(limit)
+    )
+    return list(session.scalars(statement))

@@ -1,0 +1,234 @@
+"""The status page: GET /status serves the page (static, public, holds no data) and GET
+/status/data what it shows (admin key when keys are configured), read from SQL: the current
+windows, the last hour of 5-minute windows as series (sparsity, gate confidence, KL drift,
+per-layer silence), recent alerts and trust actions, calibration versions, and the versions
+this gateway serves now."""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime, timedelta
+from functools import cache
+from importlib.resources import files
+from typing import Any
+
+from fastapi import APIRouter, Response
+from fastapi.responses import HTMLResponse
+from pydantic import BaseModel, ConfigDict
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session
+
+from services.aggregator.windows import WINDOWS, FoldConfig
+from services.gateway.deps import AdminDep, RuntimeDep
+from services.gateway.errors import ApiError
+from services.storage import repository
+from services.storage.models import AlertRecord, WindowSnapshot
+
+log = logging.getLogger(__name__)
+router = APIRouter(prefix="/status")
+
+SERIES_WINDOW = "5m"
+SERIES_SPAN = timedelta(hours=1)
+RECENT_SPAN = timedelta(hours=24)  # windows and trust actions older than this are not shown
+NO_SNAPSHOTS = (
+    "No window snapshots in SQL yet. Run the aggregator (`sparseguard aggregator`) on this "
+    "database and send traffic: it stores the windows every minute."
+)
+# The page is static and never holds data or keys; it may only talk back to this gateway.
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; "
+    "style-src 'unsafe-inline'; connect-src 'self'; frame-ancestors 'none'",
+    "Cache-Control": "no-cache",
+    "X-Content-Type-Options": "nosniff",
+}
+
+
+class WindowRow(BaseModel):
+    model: str
+    level: str
+    window: str
+    window_end: datetime
+    taken_at: datetime
+    requests: int
+    error_rate: float
+    sparsity_mean: float | None
+    sparsity_target: float | None
+    gate_confidence_mean: float | None
+    drift_kl_mean: float | None
+    cache_hit_rate_mean: float | None
+    latency_p50_ms: float | None
+    latency_p99_ms: float | None
+    calibration_version: str | None
+
+
+class Point(BaseModel):
+    t: datetime  # when the snapshot was taken
+    sparsity: float | None
+    sparsity_target: float | None
+    gate_confidence: float | None
+    drift_kl: float | None
+    silence: list[float]  # per layer
+
+
+class Series(BaseModel):
+    model: str
+    level: str
+    points: list[Point]
+
+
+class AlertView(BaseModel):
+    name: str
+    state: str
+    severity: str
+    labels: dict[str, Any]
+    summary: str | None
+    value: float | None
+    starts_at: datetime
+    ends_at: datetime | None
+
+
+class TrustActionView(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+    time: datetime
+    trace_id: str
+    model: str
+    level: str
+    trust_score: float | None
+    trust_action: str
+
+
+class CalibrationView(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+    version: str
+    model_id: str
+    level: str
+    created_at: datetime
+    target_sparsity: float
+    realised_sparsity: float | None
+    perplexity_change_pct: float | None
+    reason: str | None
+
+
+class Serving(BaseModel):
+    model: str
+    mode: str
+    levels: dict[str, str | None]  # level -> calibration version
+
+
+class StatusData(BaseModel):
+    generated_at: datetime
+    message: str | None  # why there is nothing to show yet
+    gate_band: tuple[float, float]
+    serving: Serving
+    windows: list[WindowRow]
+    series: list[Series]
+    alerts: list[AlertView]
+    trust_actions: list[TrustActionView]
+    calibrations: list[CalibrationView]
+
+
+@router.get("", response_class=HTMLResponse, include_in_schema=False)
+def status_page() -> HTMLResponse:
+    return HTMLResponse(_page(), headers=PAGE_HEADERS)
+
+
+# A plain `def`: SQL is a blocking client, run in a thread.
+@router.get("/data")
+def status_data(rt: RuntimeDep, _: AdminDep, response: Response) -> StatusData:
+    """What the status page shows; `message` says why it is empty, when it is."""
+    response.headers["Cache-Control"] = "no-store"
+    now = datetime.now(UTC)
+    serving = Serving(
+        model=rt.engine.lm.model_id,
+        mode=rt.settings.gateway.mode,
+        levels={level.value: plan.calibration_version for level, plan in rt.engine.plans.items()},
+    )
+    try:
+        sessions, _celery = rt.jobs.open()
+        with sessions() as session:
+            return _read(session, now, serving)
+    except SQLAlchemyError:
+        log.exception("status data: the database could not be read")
+        raise ApiError(503, "the status database cannot be read; see the gateway log") from None
+
+
+def _read(session: Session, now: datetime, serving: Serving) -> StatusData:
+    current = repository.current_snapshots(session, now - RECENT_SPAN)
+    windows = sorted(map(_window_row, current), key=_window_order)
+    history = repository.snapshots_since(session, SERIES_WINDOW, now - SERIES_SPAN)
+    trust = repository.recent_trust_actions(session, now - RECENT_SPAN)
+    return StatusData(
+        generated_at=now,
+        message=None if windows else NO_SNAPSHOTS,
+        gate_band=FoldConfig().gate_band,
+        serving=serving,
+        windows=windows,
+        series=_series(history),
+        alerts=[_alert(a) for a in repository.recent_alerts(session)],
+        trust_actions=[TrustActionView.model_validate(row) for row in trust],
+        calibrations=[
+            CalibrationView.model_validate(c) for c in repository.recent_calibrations(session)
+        ],
+    )
+
+
+def _window_row(snapshot: WindowSnapshot) -> WindowRow:
+    data = snapshot.data
+    latency = data.get("latency_ms") or {}
+    return WindowRow(
+        model=snapshot.model,
+        level=snapshot.level,
+        window=snapshot.window,
+        window_end=snapshot.window_end,
+        taken_at=snapshot.taken_at,
+        requests=data.get("requests", 0),
+        error_rate=data.get("error_rate", 0.0),
+        sparsity_mean=data.get("sparsity_mean"),
+        sparsity_target=data.get("sparsity_target"),
+        gate_confidence_mean=data.get("gate_confidence_mean"),
+        drift_kl_mean=data.get("drift_kl_mean"),
+        cache_hit_rate_mean=data.get("cache_hit_rate_mean"),
+        latency_p50_ms=latency.get("p50"),
+        latency_p99_ms=latency.get("p99"),
+        calibration_version=data.get("calibration_version"),
+    )
+
+
+def _window_order(row: WindowRow) -> tuple[str, str, int]:
+    order = list(WINDOWS)  # 5m, 1h, 24h
+    return row.model, row.level, order.index(row.window) if row.window in order else len(order)
+
+
+def _series(snapshots: list[WindowSnapshot]) -> list[Series]:
+    """One series per (model, level), in the snapshots' order (oldest first)."""
+    by_key: dict[tuple[str, str], list[Point]] = {}
+    for s in snapshots:
+        point = Point(
+            t=s.taken_at,
+            sparsity=s.data.get("sparsity_mean"),
+            sparsity_target=s.data.get("sparsity_target"),
+            gate_confidence=s.data.get("gate_confidence_mean"),
+            drift_kl=s.data.get("drift_kl_mean"),
+            silence=s.data.get("silence_rate_per_layer") or [],
+        )
+        by_key.setdefault((s.model, s.level), []).append(point)
+    return [Series(model=m, level=lv, points=points) for (m, lv), points in by_key.items()]
+
+
+def _alert(row: AlertRecord) -> AlertView:
+    summary = row.annotations.get("summary")
+    return AlertView(
+        name=row.name,
+        state=row.state,
+        severity=row.severity,
+        labels=row.labels,
+        summary=summary if isinstance(summary, str) else None,
+        value=row.value,
+        starts_at=row.starts_at,
+        ends_at=row.ends_at,
+    )
+
+
+@cache
+def _page() -> str:
+    return files("services.gateway").joinpath("status_page/index.html").read_text("utf-8")
