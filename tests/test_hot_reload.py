@@ -24,13 +24,13 @@ from services.storage.db import make_engine, session_factory
 from services.storage.models import JobRun
 from services.workers.app import make_celery
 from services.workers.control import CALIBRATION_PUBLISHED, publish_calibration
-from sparse_engine.artefacts import Calibration, CalibrationNotFoundError, CalibrationStore
+from sparse_engine.artefacts import CalibrationNotFoundError, CalibrationStore
 from sparse_engine.engine import Engine, GenerationRequest
 from sparse_engine.plan import Level, SparsityPlan
 from sparse_engine.prefix_cache import CacheKey, SparseCacheMismatchError
 from tests.gateway_fixtures import GatedEngine, RecordingSink, running_gateway, settings_for
 from tests.polling import wait_until
-from tests.tiny import tiny_engine
+from tests.tiny import calibration_of, tiny_engine
 
 SYSTEM = "You are a careful assistant. Answer briefly and cite nothing. " * 2
 CHAT = {
@@ -51,27 +51,6 @@ def ask(question: str, level: Level | SparsityPlan, engine: Engine) -> tuple[str
     request = GenerationRequest(messages=messages, max_new_tokens=3, ignore_eos=True)
     stats = engine.generate(request, level).result()
     return stats.calibration_version, stats.cached_tokens
-
-
-def calibration_of(engine: Engine, version: str, weights: str | None = None) -> Calibration:
-    plan = engine.plan(Level.BALANCED)
-    return Calibration(
-        model_id=engine.lm.model_id,
-        weights_sha256=weights or engine.lm.weights_sha256,
-        level="balanced",
-        sparsifier="threshold",
-        thresholds={role: list(values) for role, values in plan.thresholds.items()},
-        topk=None,
-        silence_thresholds=list(plan.thresholds["down"]),
-        target_sparsity=0.5,
-        realised_sparsity=0.5,
-        perplexity_dense=10.0,
-        perplexity_sparse=10.1,
-        budget_pct=2.0,
-        data={"corpus": "test"},
-        duration_s=0.0,
-        version=version,
-    )
 
 
 # -- engine --------------------------------------------------------------------------------

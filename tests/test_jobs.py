@@ -37,11 +37,8 @@ from services.workers.golden import LevelDrift, store_runs
 from services.workers.jobs import ClaimedJob
 from services.workers.recalibration import _data, calibration_reason, pack, recent_prompts
 from services.workers.tasks import Context, schedule_once
-from sparse_engine.artefacts import Calibration
 from sparse_engine.calibrate import CalibrationConfig
-from sparse_engine.engine import Engine
-from sparse_engine.plan import Level
-from tests.tiny import tiny_engine
+from tests.tiny import calibration_of, tiny_engine
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 
@@ -169,7 +166,7 @@ def test_schedules_are_cron_in_utc_and_bad_expressions_say_how_to_fix_them() -> 
 
 def test_control_messages_round_trip_and_reject_garbage() -> None:
     engine = tiny_engine()
-    cal = _calibration(engine)
+    cal = calibration_of(engine, "tiny-balanced-v2")
     key, value, headers = control.encode(cal, "alert:SparsityBelowTarget")
     assert key == f"{cal.weights_sha256}|balanced".encode()
     assert dict(headers)["ce_type"] == control.CALIBRATION_PUBLISHED.encode()
@@ -181,27 +178,6 @@ def test_control_messages_round_trip_and_reject_garbage() -> None:
     for bad in (b"not json", b"[1]", b'{"type": "%s"}' % control.CALIBRATION_PUBLISHED.encode()):
         with pytest.raises(ValueError):
             control.decode(bad)
-
-
-def _calibration(engine: Engine) -> Calibration:
-    plan = engine.plans[Level.BALANCED]
-    return Calibration(
-        model_id=engine.lm.model_id,
-        weights_sha256=engine.lm.weights_sha256,
-        level="balanced",
-        sparsifier="threshold",
-        thresholds={role: list(v) for role, v in plan.thresholds.items()},
-        topk=None,
-        silence_thresholds=[0.1] * engine.lm.num_layers,
-        target_sparsity=0.5,
-        realised_sparsity=0.5,
-        perplexity_dense=10.0,
-        perplexity_sparse=10.1,
-        budget_pct=2.0,
-        data={"corpus": "test"},
-        duration_s=0.0,
-        version="tiny-balanced-v2",
-    )
 
 
 def test_alert_actions_queue_and_send_a_recalibration_and_raise_the_finetune_flag(

@@ -17,6 +17,7 @@ from transformers import (
 )
 
 from sparse_engine.allocation import thresholds_for, uniform_targets
+from sparse_engine.artefacts import Calibration
 from sparse_engine.engine import Engine
 from sparse_engine.loader import LoadedModel, wrap
 from sparse_engine.plan import Level, SparsityPlan
@@ -97,3 +98,25 @@ def tiny_engine(cache: bool = True) -> Engine:
         for level, target in targets.items()
     }
     return Engine(lm, plans, PrefixCache() if cache else None)
+
+
+def calibration_of(engine: Engine, version: str, weights: str | None = None) -> Calibration:
+    """The tiny engine's balanced plan as a calibration artefact under another version."""
+    plan = engine.plan(Level.BALANCED)
+    return Calibration(
+        model_id=engine.lm.model_id,
+        weights_sha256=weights or engine.lm.weights_sha256,
+        level="balanced",
+        sparsifier="threshold",
+        thresholds={role: list(values) for role, values in plan.thresholds.items()},
+        topk=None,
+        silence_thresholds=list(plan.thresholds["down"]),
+        target_sparsity=0.5,
+        realised_sparsity=0.5,
+        perplexity_dense=10.0,
+        perplexity_sparse=10.1,
+        budget_pct=2.0,
+        data={"corpus": "test"},
+        duration_s=0.0,
+        version=version,
+    )
