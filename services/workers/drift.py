@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from celery import Celery
 from sqlalchemy.orm import Session, sessionmaker
+from tqdm import tqdm
 
 from services.config import Settings
 from services.storage.repository import set_flag
@@ -43,7 +44,9 @@ def golden_check(
     items = load_golden(path)
     levels = [Level.parse(name) for name in job.params.get("levels") or settings.jobs.golden_levels]
     max_new_tokens = int(job.params.get("max_new_tokens") or settings.jobs.golden_max_new_tokens)
-    results = golden.check(engine, items, levels, max_new_tokens)
+    total = len(items) * (1 + len(golden.runnable_levels(engine, levels)))
+    with tqdm(total=total, desc="golden-set check", unit="answer", mininterval=10) as bar:
+        results = golden.check(engine, items, levels, max_new_tokens, bar.update)
     if not results:
         raise ValueError("no sparse level is calibrated; run `sparseguard calibrate --level all`")
     with sessions.begin() as session:

