@@ -71,6 +71,7 @@ def test_up_runs_the_stack_restarts_a_crashed_child_and_stops_cleanly(
         assert demo.returncode == 0, demo.stderr
         assert len(re.findall(r"^#\d+ +\w+ +sparsity 0\.\d{3}", demo.stdout, re.M)) == 4
         assert "last 5 minutes, from the aggregator" in demo.stdout
+        assert re.search(r"^alerts: none firing$|^alerts firing \(\d+\):$", demo.stdout, re.M)
 
         log = Path(err.name)
         pids = {name: int(pid) for name, pid in STARTED.findall(log.read_text())}

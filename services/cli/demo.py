@@ -1,6 +1,6 @@
 """`sparseguard demo`: real prompts (a ShareGPT sample and a few HaluEval questions) through a
-running gateway, a line per answer, then the aggregator's view: requests, sparsity, gate
-confidence, drift, trust actions, and the alerts firing."""
+running gateway, a line per answer, then the aggregator's view (requests, sparsity, gate
+confidence, drift, trust actions) and the alerts firing (from the gateway's status data)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,8 @@ def run_demo(args: argparse.Namespace, settings: Settings) -> int:
         emit(f"sending {len(texts)} real prompts to {url} at {', '.join(levels)}")
         for i, text in enumerate(texts, 1):
             emit(ask(client, text, levels[i % len(levels)], args.max_tokens, i))
-    emit(summary(aggregator))
+        emit(summary(aggregator))
+        emit(alerts(client))
     return 0
 
 
@@ -113,6 +114,23 @@ def summary(aggregator: str, wait_s: float = 10.0) -> str:
             f"{_f(w['gate_confidence_mean']):>9} {_f(w['drift_kl_mean']):>9}  "
             f"{w['trust_actions'] or '-'}"
         )
+    return "\n".join(lines)
+
+
+def alerts(client: httpx.Client) -> str:
+    """The alerts firing now, from the gateway's status data."""
+    reply = client.get("/status/data")
+    if reply.status_code in (401, 403):
+        return "alerts: the status data needs an admin key (--key)"
+    if reply.status_code != 200:
+        return f"alerts: not available (HTTP {reply.status_code})"
+    firing = [a for a in reply.json()["alerts"] if a["state"] == "firing"]
+    if not firing:
+        return "alerts: none firing"
+    lines = [f"alerts firing ({len(firing)}):"]
+    for alert in firing:
+        labels = ", ".join(f"{k}={v}" for k, v in sorted(alert["labels"].items()))
+        lines.append(f"  {alert['severity']:8} {alert['name']:26} {labels}  value {alert['value']}")
     return "\n".join(lines)
 
 
