@@ -42,12 +42,10 @@ from services.workers import drift, golden
 from services.workers.control import publish_calibration
 from services.workers.golden_set import GoldenItem
 from services.workers.jobs import ClaimedJob
-from sparse_engine.artefacts import Calibration
 from sparse_engine.engine import Engine
-from sparse_engine.plan import Level
 from tests.aggregator_fixtures import pipeline_settings, running
 from tests.polling import wait_until
-from tests.tiny import tiny_engine
+from tests.tiny import calibration_of, tiny_engine
 from tests.webhook_receiver import SECRETS, Clock, Receivers, Slot, receiver_app
 
 PROMETHEUS = Path("/usr/bin/prometheus")
@@ -230,28 +228,6 @@ def _record_golden_check(
         drift.record(session, settings, engine.lm.model_id, results, job, datetime.now(UTC))
 
 
-def _balanced_v2(engine: Engine) -> Calibration:
-    """A new balanced calibration version for the tiny engine's weights."""
-    plan = engine.plan(Level.BALANCED)
-    return Calibration(
-        model_id=engine.lm.model_id,
-        weights_sha256=engine.lm.weights_sha256,
-        level="balanced",
-        sparsifier="threshold",
-        thresholds={role: list(values) for role, values in plan.thresholds.items()},
-        topk=None,
-        silence_thresholds=list(plan.thresholds["down"]),
-        target_sparsity=0.5,
-        realised_sparsity=0.5,
-        perplexity_dense=10.0,
-        perplexity_sparse=10.1,
-        budget_pct=2.0,
-        data={"corpus": "test"},
-        duration_s=0.0,
-        version="tiny-balanced-v2",
-    )
-
-
 def _send_traffic(client: httpx.Client, rounds: range) -> None:
     for i in rounds:
         for level in LEVELS:
@@ -320,18 +296,14 @@ def test_every_dashboard_query_has_data_in_a_real_prometheus(
 
             control = gateway.state.runtime.control
             assert control is not None and control.ready.wait(30)
-            publish_calibration(settings.telemetry, _balanced_v2(engine), "test")
-            reloads = {"level": "balanced"}
-            wait_until(
-                lambda: gateway_registry.get_sample_value(
-                    "sparseguard_calibration_reloads_total", reloads
-                )
-                == 1.0
+            publish_calibration(
+                settings.telemetry, calibration_of(engine, "tiny-balanced-v2"), "test"
             )
+            reloads = ("sparseguard_calibration_reloads_total", {"level": "balanced"})
+            wait_until(lambda: gateway_registry.get_sample_value(*reloads) == 1.0)
             _send_malformed(settings)
-            wait_until(
-                lambda: registry.get_sample_value("sparseguard_events_dead_lettered_total") == 1.0
-            )
+            dead_letters = "sparseguard_events_dead_lettered_total"
+            wait_until(lambda: registry.get_sample_value(dead_letters) == 1.0)
 
             aggregator.persist_snapshots()
             assert aggregator.evaluate_alerts() == 1  # fires, raises the flag, queues a notice

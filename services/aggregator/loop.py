@@ -190,7 +190,7 @@ class Aggregator:
             late = self.state.late_dropped - late_before
         self.metrics.counter("events_late_total").inc(late)
         now = datetime.now(UTC)
-        self.metrics.observe(events, now)
+        self.metrics.observe(events, now, self.state.config)
         self.recent_latency_s.extend((now - e.time).total_seconds() for e in events)
         self.folded += len(events)
 

@@ -10,6 +10,7 @@ from typing import cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from services.aggregator.windows import FoldConfig, observe
 from services.metrics_table import MetricSpec, declare
 from services.telemetry.schema import TelemetryEvent
 
@@ -93,7 +94,10 @@ class AggregatorMetrics:
     def gauge(self, name: str) -> Gauge:
         return cast(Gauge, self.m[name])
 
-    def observe(self, events: Iterable[TelemetryEvent], now: datetime) -> None:
+    def observe(
+        self, events: Iterable[TelemetryEvent], now: datetime, config: FoldConfig | None = None
+    ) -> None:
+        config = config or FoldConfig()
         for e in events:
             key = (e.model, e.level)
             self.counter("events_total").labels(*key, e.status).inc()
@@ -101,6 +105,8 @@ class AggregatorMetrics:
                 max(0.0, (now - e.time).total_seconds())
             )
             self._observe_signals(e, key)
+            if observe(e, config).spike:
+                self.counter("silence_spikes_total").labels(*key).inc()
 
     def _observe_signals(self, e: TelemetryEvent, key: tuple[str, str]) -> None:
         pairs = (
