@@ -16,6 +16,7 @@ from sparse_engine import signals
 from sparse_engine.artefacts import CalibrationNotFoundError, CalibrationStore
 from sparse_engine.hooks import sparsified
 from sparse_engine.loader import LoadedModel
+from sparse_engine.masking import ChannelMask, masked
 from sparse_engine.plan import SPARSE_LEVELS, Level, SparsityPlan
 from sparse_engine.prefix_cache import CacheKey, PrefixCache, SparseCacheMismatchError
 from sparse_engine.recorder import SignalRecorder
@@ -36,10 +37,13 @@ class Engine:
         lm: LoadedModel,
         plans: dict[Level, SparsityPlan],
         prefix_cache: PrefixCache | None = None,
+        mask: ChannelMask | None = None,
     ) -> None:
         self.lm = lm
         self.plans = {Level.DENSE: SparsityPlan(), **plans}
         self.prefix_cache = prefix_cache
+        self.mask: ChannelMask | None = None
+        self.set_mask(mask)
         self._keeps_logits = "logits_to_keep" in inspect.signature(lm.model.forward).parameters
 
     @classmethod
@@ -81,6 +85,13 @@ class Engine:
         if plans[Level.DENSE].silence_thresholds is None:
             plans[Level.DENSE] = plan.as_dense()
         self.plans = plans
+
+    def set_mask(self, mask: ChannelMask | None) -> None:
+        """Plan A: mask silent channels / layers in every forward pass from now on, under
+        every level (the mask acts as part of the model; sparsity plans apply on top)."""
+        if mask is not None:
+            mask.check_fits(self.lm.layers)
+        self.mask = mask if mask is not None and not mask.is_empty else None
 
     def _check_fits(self, plan: SparsityPlan) -> None:
         per_layer = [*plan.thresholds.values(), plan.topk, plan.silence_thresholds]
@@ -137,7 +148,7 @@ class Engine:
         if not generated:
             return 0.0
         ids = torch.tensor([prompt_ids + generated[:-1]])
-        with torch.inference_mode():
+        with torch.inference_mode(), masked(self.lm.layers, self.mask):
             dense = self.lm.model(input_ids=ids).logits[0, len(prompt_ids) - 1 :]
         return float(signals.token_kl(dense, sparse_logits).mean())
 
@@ -158,7 +169,11 @@ class Engine:
         kept_logits: list[torch.Tensor] = []
         finish = "length"
         started = time.perf_counter()
-        with torch.inference_mode(), sparsified(self.lm.layers, plan, recorder):
+        with (
+            torch.inference_mode(),
+            masked(self.lm.layers, self.mask),
+            sparsified(self.lm.layers, plan, recorder),
+        ):
             cache, cached, mismatch = self._cache_for(request, plan, prompt_ids)
             next_input = torch.tensor([prompt_ids[cached:]])
             for step in range(request.max_new_tokens):
@@ -231,7 +246,11 @@ class Engine:
             self.prefix_cache.store(self._cache_key(plan), prompt_ids, copy.deepcopy(cache))
 
     def _cache_key(self, plan: SparsityPlan) -> CacheKey:
-        return CacheKey(self.lm.model_id, plan.calibration_version, plan.level.value)
+        # KV values depend on the mask too, so a masked engine keys its entries apart.
+        model_id = (
+            self.lm.model_id if self.mask is None else f"{self.lm.model_id}#{self.mask.digest()}"
+        )
+        return CacheKey(model_id, plan.calibration_version, plan.level.value)
 
     def _forward(
         self, ids: torch.Tensor, cache: DynamicCache, recorder: SignalRecorder | None

@@ -12,6 +12,7 @@ from services.cli import (
     alerts,
     bench,
     calibration,
+    compress,
     dashboards,
     data,
     db,
@@ -20,6 +21,7 @@ from services.cli import (
     golden,
     jobs,
     probe,
+    silence,
     up,
 )
 from services.config import Settings
@@ -46,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
         dashboards,
         up,
         demo,
+        compress,
+        silence,
     ):
         module.register(commands)
     return parser
