@@ -69,8 +69,11 @@ def publish_calibration(settings: TelemetrySettings, cal: Calibration, reason: s
     )
     try:
         key, value, headers = encode(cal, reason)
-        producer.send(settings.control_topic, key=key, value=value, headers=headers).get(
-            timeout=SEND_TIMEOUT_S
+        # Always partition 0, which is what gateways read, even if something auto-created the
+        # topic with more partitions (a broker on memory storage after a restart).
+        sent = producer.send(
+            settings.control_topic, key=key, value=value, headers=headers, partition=0
         )
+        sent.get(timeout=SEND_TIMEOUT_S)
     finally:
         producer.close(timeout=5)
