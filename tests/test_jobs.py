@@ -228,6 +228,10 @@ def test_a_24h_drift_mean_over_the_limit_queues_recalibration_and_flags_the_mode
         store_runs(session, "m2", [drift("balanced", 5.0)], NOW - timedelta(hours=30))
         record(session, settings, "m2", [drift("balanced", 0.3)], job, NOW - timedelta(hours=1))
         quiet = record(session, settings, "m2", [drift("balanced", 0.6)], job, NOW)
+    with sessions.begin() as session:
+        again = record(session, settings, "m1", [drift("balanced", 3.0)], job, NOW)
+    assert again["balanced"]["recalibration_job_earlier"] == first["balanced"]["recalibration_job"]
+    assert "recalibration_job" not in again["balanced"]  # one drift recalibration a day
     assert quiet["balanced"]["drift_bleu_24h"] == pytest.approx(0.45)
     assert "recalibration_job" not in quiet["balanced"]
     assert quiet["balanced"]["over_budget"] is False

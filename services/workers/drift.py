@@ -66,9 +66,9 @@ def record(
     job: ClaimedJob,
     now: datetime,
 ) -> dict[str, dict[str, Any]]:
-    """Store the runs; a level whose 24 h mean drift is over the limit gets a recalibration job
-    (returned as `recalibration_job`, to be sent after the commit) and raises the fine-tune
-    flag. Returns the figures per level."""
+    """Store the runs; a level whose 24 h mean drift is over the limit raises the fine-tune flag
+    and gets a recalibration job (returned as `recalibration_job`, to be sent after the
+    commit) unless one was queued for it in the last 24 h. Returns the figures per level."""
     golden.store_runs(session, model_id, results, now)
     by_level: dict[str, dict[str, Any]] = {}
     for result in results:
@@ -83,9 +83,13 @@ def record(
         if average is not None and average > settings.jobs.drift_recalibrate_bleu:
             details = {"level": result.level, "drift_bleu_24h": average, "golden_job": job.id}
             set_flag(session, model_id, "finetune", "golden-drift", details)
-            params = {"level": result.level, "model": job.params.get("model")}
             reason = f"golden-drift:{result.level}"
-            recalibration = jobs.create_job(session, "recalibrate", reason, params, job.trace_id)
-            figures["recalibration_job"] = recalibration.id
+            earlier = jobs.recent_job(session, "recalibrate", reason, now - DAY)
+            if earlier is not None:  # one drift recalibration a day per level is enough
+                figures["recalibration_job_earlier"] = earlier
+            else:
+                params = {"level": result.level, "model": job.params.get("model")}
+                made = jobs.create_job(session, "recalibrate", reason, params, job.trace_id)
+                figures["recalibration_job"] = made.id
         by_level[result.level] = figures
     return by_level

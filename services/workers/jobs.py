@@ -137,6 +137,16 @@ def redispatch_stale(
     return [job_id for job_id, kind in stale if dispatch(celery, job_id, kind)]
 
 
+def recent_job(session: Session, kind: str, reason: str, since: datetime) -> int | None:
+    """The newest job of `kind` with exactly this `reason` created since `since`."""
+    return session.scalar(
+        select(JobRun.id)
+        .where(JobRun.kind == kind, JobRun.reason == reason, JobRun.created_at >= since)
+        .order_by(JobRun.id.desc())
+        .limit(1)
+    )
+
+
 def recent_jobs(session: Session, limit: int = 20, kind: str | None = None) -> list[JobRun]:
     statement = select(JobRun).order_by(JobRun.id.desc()).limit(limit)
     if kind is not None:
