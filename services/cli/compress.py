@@ -153,7 +153,10 @@ def run_compress_eval(args: argparse.Namespace, settings: Settings) -> int:
     lm = load(settings, args.model)
     mask, channels, bias_like = _plan(args, lm)
     if mask.is_empty:
-        raise ValueError("nothing to compress: pass --silence-map and/or --silent-layers")
+        raise ValueError(
+            "nothing to compress: the silence map marks no channel (and no --silent-layers); "
+            "pass --silent-layers or a map with confirmed silent channels"
+        )
     dense_engine = Engine(lm, {})
     ids = middle_tokens(
         dense_engine, corpora.load_texts(args.data, settings.cache_home), args.tokens
