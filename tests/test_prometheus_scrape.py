@@ -33,19 +33,19 @@ from services.aggregator.http import create_http_app
 from services.aggregator.loop import Aggregator
 from services.aggregator.metrics import AggregatorMetrics
 from services.broker import Broker
-from services.config import AlertSettings, EngineSettings, Settings, WebhookReceiver
+from services.config import Settings, WebhookReceiver
 from services.gateway.app import create_app
 from services.serving import free_port, serve
 from services.storage.db import make_engine, session_factory
-from services.storage.repository import upsert_calibration
 from services.workers import drift, golden
 from services.workers.control import publish_calibration
 from services.workers.golden_set import GoldenItem
 from services.workers.jobs import ClaimedJob
 from sparse_engine.engine import Engine
-from tests.aggregator_fixtures import pipeline_settings, running
+from tests.aggregator_fixtures import running
 from tests.polling import wait_until
 from tests.tiny import calibration_of, tiny_engine
+from tests.traffic_fixtures import LEVELS, register_calibrations, send_traffic, traffic_settings
 from tests.webhook_receiver import SECRETS, Clock, Receivers, Slot, receiver_app
 
 PROMETHEUS = Path("/usr/bin/prometheus")
@@ -54,25 +54,7 @@ pytestmark = pytest.mark.skipif(
     reason=f"{PROMETHEUS} is missing: apt-get install prometheus (make tools) to run this test",
 )
 
-# Fires on this traffic (the tiny engine's conservative plan keeps ~0.97 of the activation
-# magnitude), raises the model's fine-tune flag and notifies the webhook receivers.
-RULES = """
-rules:
-  - name: GateConfidenceOutOfBand
-    metric: gate_confidence_mean
-    window: 5m
-    op: outside
-    threshold: [0.75, 0.92]
-    min_requests: 1
-    for: 0s
-    severity: warning
-    annotations:
-      summary: "Gate confidence out of band on {{ $labels.model }} ({{ $labels.level }})"
-    actions: [webhook, flag_finetune]
-"""
-LEVELS = ("conservative", "balanced")
 ROUNDS = 10  # requests per level, sent in two halves a few scrapes apart
-TARGETS = {"conservative": 0.3, "balanced": 0.5, "aggressive": 0.7}  # tiny_engine()'s plans
 GOLDEN = [
     GoldenItem("g1", "What is sparsity?", "Sparsity skips work that multiplies by zero.", "test"),
     GoldenItem("g2", "Name a colour.", "Blue.", "test"),
@@ -175,48 +157,6 @@ def queries_without_data(url: str) -> list[str]:
     return missing
 
 
-def _settings(tmp_path: Path, broker: Broker, hook_url: str) -> Settings:
-    """Gateway and aggregator on one SQLite database and one broker; snapshots and alert
-    evaluations only when the test asks, a KL drift measurement on every request, and one
-    webhook receiver."""
-    rules = tmp_path / "rules.yaml"
-    rules.write_text(RULES)
-    settings = pipeline_settings(tmp_path, broker.bootstrap, partitions=1)
-    receiver = WebhookReceiver(name="ops", url=hook_url, secret=SecretStr(SECRETS["ops"]))
-    alerts = AlertSettings(rules_file=rules, evaluation_interval_s=3600.0, receivers=[receiver])
-    quiet = {"snapshot_interval_s": 3600.0}
-    return settings.model_copy(
-        update={
-            "alerts": alerts,
-            "aggregator": settings.aggregator.model_copy(update=quiet),
-            "engine": EngineSettings(drift_sample_rate=1.0),
-        }
-    )
-
-
-def _register_calibrations(sessions: sessionmaker[Session], engine: Engine) -> None:
-    """The tiny engine's plans as calibration versions, so windows know their targets."""
-    with sessions.begin() as session:
-        for level, plan in engine.plans.items():
-            if plan.calibration_version is None:
-                continue
-            upsert_calibration(
-                session,
-                {
-                    "version": plan.calibration_version,
-                    "model_id": engine.lm.model_id,
-                    "level": level.value,
-                    "weights_sha256": engine.lm.weights_sha256,
-                    "created_at": datetime.now(UTC),
-                    "target_sparsity": TARGETS[level.value],
-                    "realised_sparsity": None,
-                    "perplexity_change_pct": None,
-                    "reason": "cli",
-                    "artefact": {"level": level.value},
-                },
-            )
-
-
 def _record_golden_check(
     sessions: sessionmaker[Session], settings: Settings, engine: Engine
 ) -> None:
@@ -226,18 +166,6 @@ def _record_golden_check(
     job = ClaimedJob(1, "golden_check", "schedule", {}, 1)
     with sessions.begin() as session:
         drift.record(session, settings, engine.lm.model_id, results, job, datetime.now(UTC))
-
-
-def _send_traffic(client: httpx.Client, rounds: range) -> None:
-    for i in rounds:
-        for level in LEVELS:
-            body = {
-                "messages": [{"role": "user", "content": f"Question {i}: what is sparsity?"}],
-                "max_tokens": 8,
-                "ir_sparse_level": level,
-            }
-            response = client.post("/v1/chat/completions", json=body)
-            assert response.status_code == 200, response.text
 
 
 def _send_malformed(settings: Settings) -> None:
@@ -266,13 +194,18 @@ def test_every_dashboard_query_has_data_in_a_real_prometheus(
 ) -> None:
     hooks = Slot(Receivers(clock=Clock(datetime.now(UTC))))  # signatures checked against now
     with serve(receiver_app(hooks)) as hook_base:
-        settings = _settings(tmp_path, kafka_broker, f"{hook_base}/hooks/ops")
+        receiver = WebhookReceiver(
+            name="ops", url=f"{hook_base}/hooks/ops", secret=SecretStr(SECRETS["ops"])
+        )
+        settings = traffic_settings(
+            tmp_path, kafka_broker, ("webhook", "flag_finetune"), [receiver]
+        )
         sessions = session_factory(make_engine(settings.database_url))
         registry = CollectorRegistry()
         alerting = AlertLoop(settings.alerts, sessions, registry)
         aggregator = Aggregator(settings, sessions, AggregatorMetrics(registry), alerting=alerting)
         engine = tiny_engine()
-        _register_calibrations(sessions, engine)
+        register_calibrations(sessions, engine)
         _record_golden_check(sessions, settings, engine)  # before the gateway shares the engine
         gateway_registry = CollectorRegistry()
         gateway = create_app(settings, engine=engine, registry=gateway_registry)
@@ -288,10 +221,10 @@ def test_every_dashboard_query_has_data_in_a_real_prometheus(
             # Two halves a few scrapes apart: the per-key histograms (created by the first
             # events) must grow between scrapes for histogram_quantile() to have data.
             half = ROUNDS // 2
-            _send_traffic(client, range(half))
+            send_traffic(client, range(half))
             wait_until(lambda: aggregator.folded == half * len(LEVELS))
             time.sleep(3 * SCRAPE_INTERVAL_S)
-            _send_traffic(client, range(half, ROUNDS))
+            send_traffic(client, range(half, ROUNDS))
             wait_until(lambda: aggregator.folded == ROUNDS * len(LEVELS))
 
             control = gateway.state.runtime.control

@@ -1,6 +1,6 @@
 """The gateway's status page: /status/data on an empty database and behind admin keys, and end
 to end in headless Chromium after real traffic (gateway -> real broker -> aggregator -> SQL ->
-page), asserting on what the page rendered."""
+page), asserting on what the page rendered. The SQL reads behind it: test_status_reads.py."""
 
 from __future__ import annotations
 
@@ -9,30 +9,23 @@ import logging
 import struct
 import time
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
-from sqlalchemy.orm import Session, sessionmaker
 
 from services.aggregator.alerting import AlertLoop
 from services.aggregator.loop import Aggregator
 from services.aggregator.metrics import AggregatorMetrics
 from services.broker import Broker
-from services.config import AlertSettings, EngineSettings, Settings, StorageSettings
+from services.config import StorageSettings
 from services.gateway.app import create_app
 from services.gateway.auth import hash_key
 from services.gateway.status import NO_SNAPSHOTS
 from services.serving import serve
-from services.storage import repository
 from services.storage.db import make_engine, session_factory
-from services.storage.models import AlertRecord
-from services.storage.repository import insert_summaries, save_snapshots, upsert_calibration
-from sparse_engine.engine import Engine
-from tests.aggregator_fixtures import pipeline_settings, running
+from tests.aggregator_fixtures import running
 from tests.gateway_fixtures import RecordingSink, running_gateway, settings_for
 from tests.polling import wait_until
 from tests.status_fixtures import (
@@ -41,33 +34,22 @@ from tests.status_fixtures import (
     artifacts_dir,
     browser_tab,
     dump_dom,
-    migrated_database,
     needs_chromium,
     screenshot,
 )
 from tests.tiny import tiny_engine
+from tests.traffic_fixtures import (
+    LEVELS,
+    TARGETS,
+    register_calibrations,
+    send_traffic,
+    traffic_settings,
+)
 
 USER_KEY = "sk-status-user-0123456789"
 ADMIN_KEY = "sk-status-admin-9876543210"
-# Fires on this traffic: the tiny engine's conservative plan keeps ~0.97 of the activation
-# magnitude (above the band), its balanced plan ~0.89 (inside).
-RULES = """
-rules:
-  - name: GateConfidenceOutOfBand
-    metric: gate_confidence_mean
-    window: 5m
-    op: outside
-    threshold: [0.75, 0.92]
-    min_requests: 1
-    for: 0s
-    severity: warning
-    annotations:
-      summary: "Gate confidence out of band on {{ $labels.model }} ({{ $labels.level }})"
-"""
-LEVELS = ("conservative", "balanced")
 REQUESTS_PER_LEVEL = 10
 SNAPSHOTS = 3
-TARGETS = {"conservative": 0.3, "balanced": 0.5, "aggressive": 0.7}  # tiny_engine()'s plans
 
 
 @pytest.fixture
@@ -121,66 +103,6 @@ def test_status_data_answers_503_when_the_database_cannot_be_read(tmp_path: Path
     assert "sqlite" not in response.text  # no connection details leak
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def sessions(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[sessionmaker[Session]]:
-    with migrated_database(request.param, tmp_path) as url:
-        engine = make_engine(url)
-        yield session_factory(engine)
-        engine.dispose()
-
-
-def test_status_reads_pick_current_recent_and_latest_rows(
-    sessions: sessionmaker[Session],
-) -> None:
-    t0 = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)
-    with sessions.begin() as session:
-        save_snapshots(
-            session,
-            [
-                _snapshot("m", level, window, t0 + timedelta(minutes=minute))
-                for level in ("balanced", "aggressive")
-                for window in ("5m", "1h")
-                for minute in (0, 1, 2)
-            ],
-        )
-        session.add_all(
-            [
-                _alert("a", "pending", t0),
-                _alert("a", "firing", t0 + timedelta(seconds=30)),
-                _alert("b", "resolved", t0 + timedelta(seconds=10)),
-            ]
-        )
-        insert_summaries(
-            session,
-            [
-                _summary("old-flag", t0 - timedelta(hours=2), "flag"),
-                _summary("flag", t0, "flag"),
-                _summary("none", t0, "none"),
-                _summary("unset", t0, None),
-            ],
-        )
-        for minute, version in enumerate(("v1", "v2")):
-            upsert_calibration(session, _calibration(version, t0 + timedelta(minutes=minute)))
-    since = t0 + timedelta(minutes=1)
-    with sessions() as session:
-        current = repository.current_snapshots(session, since)
-        history = repository.snapshots_since(session, "5m", since)
-        alerts = repository.recent_alerts(session)
-        trust = repository.recent_trust_actions(session, t0 - timedelta(hours=1))
-        calibrations = repository.recent_calibrations(session)
-    assert [(s.level, s.window, s.window_end) for s in current] == [
-        (level, window, t0 + timedelta(minutes=2))
-        for level in ("aggressive", "balanced")
-        for window in ("1h", "5m")
-    ]
-    assert [(s.level, s.window, s.taken_at.minute) for s in history] == [
-        (level, "5m", minute) for level in ("aggressive", "balanced") for minute in (1, 2)
-    ]
-    assert [(a.fingerprint, a.state) for a in alerts] == [("a", "firing"), ("b", "resolved")]
-    assert [row.trace_id for row in trust] == ["flag"]
-    assert [c.version for c in calibrations] == ["v2", "v1"]
-
-
 @needs_chromium
 def test_page_in_chromium_says_when_there_is_no_data(empty_gateway: str, tmp_path: Path) -> None:
     dom = dump_dom(f"{empty_gateway}/status", tmp_path / "profile")
@@ -222,15 +144,16 @@ def _submit_key(tab: Tab, key: str) -> None:
 
 @needs_chromium
 def test_page_renders_real_traffic_in_chromium(kafka_broker: Broker, tmp_path: Path) -> None:
-    settings = _pipeline(tmp_path, kafka_broker)
+    settings = traffic_settings(tmp_path, kafka_broker)
     sessions = session_factory(make_engine(settings.database_url))
     registry = CollectorRegistry()
     alerting = AlertLoop(settings.alerts, sessions, registry)
     aggregator = Aggregator(settings, sessions, AggregatorMetrics(registry), alerting=alerting)
     engine = tiny_engine()
-    _register_calibrations(sessions, engine)
+    register_calibrations(sessions, engine)
     with running(aggregator), serve(create_app(settings, engine=engine)) as url:
-        flagged = _send_traffic(url)
+        with httpx.Client(base_url=url, timeout=30) as client:
+            flagged = send_traffic(client, range(REQUESTS_PER_LEVEL))
         wait_until(lambda: aggregator.folded == len(LEVELS) * REQUESTS_PER_LEVEL)
         for i in range(SNAPSHOTS):
             time.sleep(1.0 if i else 0.0)  # spread the snapshots out in time
@@ -253,64 +176,6 @@ def test_page_renders_real_traffic_in_chromium(kafka_broker: Broker, tmp_path: P
     }
     assert "hidden" in dom.find(id="message").attrs
     _assert_png(shot)
-
-
-def _pipeline(tmp_path: Path, broker: Broker) -> Settings:
-    """Gateway and aggregator on one SQLite database and one broker; snapshots and alert
-    evaluations only when the test asks, and a KL drift measurement on every request."""
-    rules = tmp_path / "rules.yaml"
-    rules.write_text(RULES)
-    settings = pipeline_settings(tmp_path, broker.bootstrap, partitions=1)
-    quiet = {"snapshot_interval_s": 3600.0}
-    return settings.model_copy(
-        update={
-            "alerts": AlertSettings(rules_file=rules, evaluation_interval_s=3600.0),
-            "aggregator": settings.aggregator.model_copy(update=quiet),
-            "engine": EngineSettings(drift_sample_rate=1.0),
-        }
-    )
-
-
-def _register_calibrations(sessions: sessionmaker[Session], engine: Engine) -> None:
-    """The tiny engine's plans as calibration versions (made by uniform targets, so no
-    held-out perplexity was measured)."""
-    with sessions.begin() as session:
-        for level, plan in engine.plans.items():
-            if plan.calibration_version is None:
-                continue
-            upsert_calibration(
-                session,
-                {
-                    "version": plan.calibration_version,
-                    "model_id": engine.lm.model_id,
-                    "level": level.value,
-                    "weights_sha256": engine.lm.weights_sha256,
-                    "created_at": datetime.now(UTC),
-                    "target_sparsity": TARGETS[level.value],
-                    "realised_sparsity": None,
-                    "perplexity_change_pct": None,
-                    "reason": "cli",
-                    "artefact": {"level": level.value},
-                },
-            )
-
-
-def _send_traffic(url: str) -> set[str]:
-    """Real chat requests at each level; returns the trace ids the gateway flagged."""
-    flagged = set()
-    with httpx.Client(base_url=url, timeout=30) as client:
-        for i in range(REQUESTS_PER_LEVEL):
-            for level in LEVELS:
-                body = {
-                    "messages": [{"role": "user", "content": f"Question {i}: what is sparsity?"}],
-                    "max_tokens": 8,
-                    "ir_sparse_level": level,
-                }
-                response = client.post("/v1/chat/completions", json=body)
-                assert response.status_code == 200, response.text
-                if response.headers["x-ir-trust"].endswith(";silence-spike"):
-                    flagged.add(response.headers["x-ir-trace-id"])
-    return flagged
 
 
 def _assert_windows(dom: Element) -> None:
@@ -352,58 +217,3 @@ def _assert_png(path: Path) -> None:
 
 def _visible(dom: Element, element_id: str) -> bool:
     return "hidden" not in dom.find(id=element_id).attrs
-
-
-def _snapshot(model: str, level: str, window: str, at: datetime) -> dict[str, Any]:
-    data = {"window": window, "requests": 1, "silence_rate_per_layer": [0.1, 0.2]}
-    return {
-        "model": model,
-        "level": level,
-        "window": window,
-        "window_end": at,
-        "taken_at": at,
-        "data": data,
-    }
-
-
-def _alert(fingerprint: str, state: str, at: datetime) -> AlertRecord:
-    return AlertRecord(
-        fingerprint=fingerprint,
-        name=f"Alert-{fingerprint}",
-        state=state,
-        severity="warning",
-        labels={"model": "m"},
-        annotations={},
-        value=0.5,
-        starts_at=at,
-        ends_at=at if state == "resolved" else None,
-        updated_at=at,
-    )
-
-
-def _summary(trace_id: str, at: datetime, action: str | None) -> dict[str, Any]:
-    return {
-        "trace_id": trace_id,
-        "time": at,
-        "model": "m",
-        "level": "balanced",
-        "mode": "serve",
-        "api": "openai",
-        "status": "ok",
-        "trust_score": 0.2,
-        "trust_action": action,
-        "event": {"trace_id": trace_id},
-    }
-
-
-def _calibration(version: str, at: datetime) -> dict[str, Any]:
-    return {
-        "version": version,
-        "model_id": "m",
-        "level": "balanced",
-        "weights_sha256": "ab" * 32,
-        "created_at": at,
-        "target_sparsity": 0.5,
-        "reason": "cli",
-        "artefact": {"thresholds": [0.1]},
-    }
