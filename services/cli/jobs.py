@@ -151,18 +151,7 @@ def _inline(settings: Settings, sessions: Any, kind: str, params: dict[str, Any]
 
 
 def describe(job: JobRun) -> dict[str, Any]:
-    return {
-        "id": job.id,
-        "kind": job.kind,
-        "status": job.status,
-        "reason": job.reason,
-        "params": job.params,
-        "result": job.result,
-        "attempts": job.attempts,
-        "created_at": job.created_at.isoformat(),
-        "started_at": job.started_at.isoformat() if job.started_at else None,
-        "finished_at": job.finished_at.isoformat() if job.finished_at else None,
-    }
+    return jobs.JobView.model_validate(job).model_dump(mode="json")
 
 
 def list_jobs(args: argparse.Namespace, settings: Settings) -> int:

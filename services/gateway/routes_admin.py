@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Path
 from pydantic import BaseModel, ConfigDict, Field
@@ -14,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from services.gateway.deps import AdminDep, RuntimeDep
 from services.gateway.errors import ApiError
 from services.storage.models import JobRun
-from services.workers.jobs import submit
+from services.workers.jobs import JobView, submit
 from sparse_engine.plan import SPARSE_LEVELS, Level
 
 router = APIRouter(prefix="/admin")
@@ -30,21 +29,6 @@ class RecalibrateRequest(BaseModel):
 class JobQueued(BaseModel):
     job_id: int
     status: str
-
-
-class JobView(BaseModel):
-    model_config = ConfigDict(from_attributes=True)
-    id: int
-    kind: str
-    status: str
-    reason: str
-    params: dict[str, Any]
-    result: dict[str, Any] | None
-    trace_id: str | None
-    attempts: int
-    created_at: datetime
-    started_at: datetime | None
-    finished_at: datetime | None
 
 
 @router.get("/status")

@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from celery import Celery
+from pydantic import BaseModel, ConfigDict
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -19,6 +20,23 @@ from services.workers.app import TASKS
 
 log = logging.getLogger(__name__)
 FINISHED = ("succeeded", "failed")
+
+
+class JobView(BaseModel):
+    """A job as the admin endpoint and the CLI show it."""
+
+    model_config = ConfigDict(from_attributes=True)
+    id: int
+    kind: str
+    status: str
+    reason: str
+    params: dict[str, Any]
+    result: dict[str, Any] | None
+    trace_id: str | None
+    attempts: int
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
 
 
 class JobNotFoundError(LookupError):
