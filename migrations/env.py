@@ -12,6 +12,7 @@ from sqlalchemy import text
 
 from services.config import Settings
 from services.storage.db import make_engine, normalize_url
+from services.storage.kb import include_name
 from services.storage.models import Base, UTCDateTime
 
 LOCK = 0x5347_4D49_4752  # "SGMIGR": the advisory lock that serialises PostgreSQL migrations
@@ -59,6 +60,7 @@ def run_migrations_online() -> None:
                 render_as_batch=connection.dialect.name == "sqlite",
                 compare_type=True,
                 render_item=render_item,
+                include_name=include_name,  # full-text objects no model maps
             )
             with context.begin_transaction():
                 if connection.dialect.name == "postgresql":

@@ -125,6 +125,30 @@ class JobSettings(BaseModel):
     traffic_min_prompts: int = Field(200, ge=1)
 
 
+TrustAction = Literal["retrieve", "simplify", "flag"]
+
+
+class TrustSettings(BaseModel):
+    """Per-request trust: when an answer counts as low trust, and what is done about it."""
+
+    # Below this score (the trust model's probability that the answer is right) trust is low.
+    min_score: float = Field(0.5, ge=0.0, le=1.0)
+    spike_silence: float = Field(0.80, ge=0.0, le=1.0)  # late-layer band silence: a spike
+    spike_z: float = Field(4.0, gt=0.0)  # or this many std above the level's rolling baseline
+    baseline_span: int = Field(200, ge=2)  # requests in the rolling baseline's EWMA
+    baseline_min_requests: int = Field(30, ge=1)  # before this, no deviation is judged
+    gate_uniform_entropy: float = Field(0.95, ge=0.0, le=1.0)  # gate degraded above this
+    monotonous_confidence: float = Field(0.95, ge=0.0, le=1.0)  # monotonous input above this
+    # Reasons that trigger the action; any other reason is reported only.
+    act_on: list[str] = Field(default_factory=lambda: ["silence-spike", "low-score"])
+    default_action: TrustAction = "flag"
+    actions: dict[str, TrustAction] = Field(default_factory=dict)  # per route path
+    retrieve_passages: int = Field(3, ge=1, le=20)
+    passage_chars: int = Field(600, ge=50)  # each passage is cut to this many characters
+    model_version: str | None = None  # pin a trust model; default: the latest for the model
+    dir: Path | None = None  # trust models and evaluation records; default: <home>/trust
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPARSEGUARD_", env_nested_delimiter="__")
 
@@ -140,6 +164,7 @@ class Settings(BaseSettings):
     aggregator: AggregatorSettings = Field(default_factory=lambda: AggregatorSettings())
     alerts: AlertSettings = Field(default_factory=lambda: AlertSettings())
     jobs: JobSettings = Field(default_factory=lambda: JobSettings())
+    trust: TrustSettings = Field(default_factory=lambda: TrustSettings())
 
     @property
     def cache_home(self) -> Path:
@@ -160,6 +185,10 @@ class Settings(BaseSettings):
     @property
     def golden_set_path(self) -> Path:
         return self.jobs.golden_set or self.home / "golden" / "mt-bench.jsonl"
+
+    @property
+    def trust_dir(self) -> Path:
+        return self.trust.dir or self.home / "trust"
 
     @property
     def spool_dir(self) -> Path:

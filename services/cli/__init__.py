@@ -20,8 +20,10 @@ from services.cli import (
     gateway,
     golden,
     jobs,
+    kb,
     probe,
     silence,
+    trust,
     up,
 )
 from services.config import Settings
@@ -50,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
         demo,
         compress,
         silence,
+        trust,
+        kb,
     ):
         module.register(commands)
     return parser

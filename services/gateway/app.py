@@ -88,6 +88,7 @@ async def _start(
     registry = registry or CollectorRegistry()
     rt = Runtime(settings, engine, worker, GatewayMetrics(registry), registry, sink, upstream)
     stack.callback(rt.jobs.close)
+    stack.callback(rt.knowledge.close)
     if settings.telemetry.enabled:
         from services.gateway.control import ControlListener
 

@@ -8,6 +8,7 @@ import uuid
 from datetime import UTC, datetime
 
 from services.gateway.errors import ApiError
+from services.gateway.fallback import ROUTES
 from services.gateway.pipeline import Final, Prepared, sampled_share
 from services.gateway.runtime import Runtime
 from services.telemetry.schema import EventError, TelemetryEvent
@@ -85,6 +86,10 @@ def build_event(
         cache_hit_rate=stats.cache_hit_rate if stats else None,
         trust_score=final.trust.score if final else None,
         trust_action=final.trust.action if final else None,
+        trust_reasons=list(final.trust.reasons) if final else [],
+        trust_first_score=final.trust.first_score if final else None,
+        mean_token_logprob=_mean(stats.token_logprobs) if stats else None,
+        mean_token_entropy=_mean(stats.token_entropies) if stats else None,
         policy_flags=list(p.decision.changes),
         hygiene_flags=list(p.hygiene_flags),
         error=EventError(type=str(error.status), message=error.message) if error else None,
@@ -121,3 +126,14 @@ def _observe(rt: Runtime, p: Prepared, final: Final | None, error: ApiError | No
         m.cache_mismatches.inc()
     if stats.signals is not None:
         m.sparsity.labels(level).observe(stats.signals.sparsity_ratio)
+    trust = final.trust
+    m.trust_score.labels(level).observe(
+        trust.score if trust.first_score is None else trust.first_score
+    )
+    m.trust_actions.labels(trust.action, ROUTES[p.chat.api]).inc()
+    for reason in trust.reasons:
+        m.trust_reasons.labels(reason).inc()
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None

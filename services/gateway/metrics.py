@@ -41,6 +41,25 @@ GATEWAY_METRICS = (
         Counter,
         "Prefixes refused: other calibration or level",
     ),
+    MetricSpec(
+        "gateway_trust_score",
+        Histogram,
+        "Trust score of each answer (the first one, when an action regenerated it)",
+        ("level",),
+        RATIO,
+    ),
+    MetricSpec(
+        "gateway_trust_actions_total",
+        Counter,
+        "Trust decisions by action taken: none, flag, retrieve, simplify",
+        ("action", "route"),
+    ),
+    MetricSpec(
+        "gateway_trust_reasons_total",
+        Counter,
+        "Reasons that lowered trust: silence-spike, gate-degraded, monotonous-input, low-score",
+        ("reason",),
+    ),
     MetricSpec("gateway_queue_rejections_total", Counter, "Requests refused with 429"),
     MetricSpec("gateway_policy_changes_total", Counter, "Policy changes applied", ("kind",)),
     MetricSpec(
@@ -69,6 +88,9 @@ class GatewayMetrics:
         self.tokens = cast(Counter, m["gateway_tokens_total"])
         self.cache_tokens = cast(Counter, m["gateway_prefix_cache_tokens_total"])
         self.cache_mismatches = cast(Counter, m["gateway_prefix_cache_mismatches_total"])
+        self.trust_score = cast(Histogram, m["gateway_trust_score"])
+        self.trust_actions = cast(Counter, m["gateway_trust_actions_total"])
+        self.trust_reasons = cast(Counter, m["gateway_trust_reasons_total"])
         self.rejections = cast(Counter, m["gateway_queue_rejections_total"])
         self.policy_changes = cast(Counter, m["gateway_policy_changes_total"])
         self.calibration_reloads = cast(Counter, m["calibration_reloads_total"])

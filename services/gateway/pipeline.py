@@ -14,16 +14,17 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from services.gateway.errors import ApiError
+from services.gateway.fallback import route_action, simplified, with_passages
 from services.gateway.hygiene import clean_text
 from services.gateway.policy import PolicyDecision, PolicyInput, decide, header_value
 from services.gateway.runtime import Runtime
 from services.gateway.schemas import ChatInput
-from services.gateway.trust import Trust, assess
+from services.gateway.trust import Trust
 from services.gateway.upstream import stream_upstream
 from services.gateway.worker import Emit, Job, JobFn, QueueFullError
 from sparse_engine.artefacts import CalibrationNotFoundError
 from sparse_engine.plan import Level, SparsityPlan
-from sparse_engine.requests import GenerationRequest, GenerationStats
+from sparse_engine.requests import GenerationRequest, GenerationStats, Message
 from sparse_engine.scoring import score_answer
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,14 @@ class Prepared:
 class Final:
     stats: GenerationStats
     trust: Trust
+    queue_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """An answer's statistics, as the engine worker returned them."""
+
+    stats: GenerationStats
     queue_s: float
 
 
@@ -104,19 +113,70 @@ async def execute(rt: Runtime, p: Prepared) -> AsyncGenerator[str | Final, None]
     timeout = rt.settings.gateway.request_timeout_s
     try:
         async with asyncio.timeout(timeout):
-            if rt.settings.gateway.mode == "proxy":
-                async for item in _proxy(rt, p):
-                    yield item
-            else:
-                async for item in _serve(rt, p):
-                    yield item
+            action = route_action(rt.settings, p.chat)
+            answers = _guarded(rt, p, action) if action != "flag" else _answer(rt, p, None)
+            async for item in answers:
+                yield item
     except TimeoutError:
         raise ApiError(504, f"the request did not finish within {timeout:g} s") from None
 
 
-async def _serve(rt: Runtime, p: Prepared) -> AsyncIterator[str | Final]:
+async def _guarded(rt: Runtime, p: Prepared, action: str) -> AsyncIterator[str | Final]:
+    """Hold the answer back until its trust is known; on low trust, regenerate it once with
+    the route's action and send that one instead."""
+    parts, first = await _buffered(_answer(rt, p, None))
+    if first.trust.low:
+        messages, action, passages = await _fallback(rt, p, action)
+        parts, final = await _buffered(_answer(rt, p, messages))
+        first = replace(final, trust=first.trust.acted(action, final.trust, passages))
+    for part in parts:
+        yield part
+    yield first
+
+
+async def _buffered(items: AsyncIterator[str | Final]) -> tuple[list[str], Final]:
+    parts: list[str] = []
+    async for item in items:
+        if isinstance(item, Final):
+            return parts, item
+        parts.append(item)
+    raise ApiError(500, "generation ended without statistics")
+
+
+async def _fallback(rt: Runtime, p: Prepared, action: str) -> tuple[list[Message], str, int]:
+    """The regenerated prompt: with knowledge-base passages (simplified instead when the
+    knowledge base finds none), or simplified."""
+    cfg = rt.settings.trust
+    if action == "retrieve":
+        hits = await asyncio.to_thread(rt.knowledge.search, p.chat.user_text, cfg.retrieve_passages)
+        if hits:
+            return with_passages(p.chat.messages, hits, cfg.passage_chars), action, len(hits)
+        log.info("trace %s: the knowledge base found no passage; simplifying", p.trace_id)
+    return simplified(p.chat.messages), "simplify", 0
+
+
+async def _answer(
+    rt: Runtime, p: Prepared, messages: list[Message] | None
+) -> AsyncIterator[str | Final]:
+    """One answer to `messages` (default: the request's), served or proxied, with its trust."""
+    messages = messages or p.chat.messages
+    answers = (
+        _proxy(rt, p, messages) if rt.settings.gateway.mode == "proxy" else _serve(rt, p, messages)
+    )
+    prompt = "\n".join(m["content"] for m in messages)
+    async for item in answers:
+        if isinstance(item, Answered):
+            trust = rt.trust.assess(item.stats, prompt, p.plan.is_dense)
+            yield Final(item.stats, trust, item.queue_s)
+        else:
+            yield item
+
+
+async def _serve(
+    rt: Runtime, p: Prepared, messages: list[Message]
+) -> AsyncIterator[str | Answered]:
     request = GenerationRequest(
-        messages=p.chat.messages,
+        messages=messages,
         max_new_tokens=p.decision.max_tokens,
         temperature=p.decision.temperature,
         top_p=p.chat.top_p,
@@ -137,24 +197,26 @@ async def _serve(rt: Runtime, p: Prepared) -> AsyncIterator[str | Final]:
         yield item
 
 
-async def _proxy(rt: Runtime, p: Prepared) -> AsyncIterator[str | Final]:
+async def _proxy(
+    rt: Runtime, p: Prepared, messages: list[Message]
+) -> AsyncIterator[str | Answered]:
     if rt.upstream is None:
         raise ApiError(502, "proxy mode is not configured with an upstream client")
     parts: list[str] = []
     first_at = None
-    async for delta in stream_upstream(rt.upstream, rt.settings.gateway, p.chat, p.decision):
+    chat = replace(p.chat, messages=messages)
+    async for delta in stream_upstream(rt.upstream, rt.settings.gateway, chat, p.decision):
         first_at = first_at or time.perf_counter()
         parts.append(delta)
         yield delta
     answer = "".join(parts)
 
     def run(emit: Emit, cancel: threading.Event) -> GenerationStats:
-        return score_answer(rt.engine, p.chat.messages, answer, p.plan, p.measure_drift)
+        return score_answer(rt.engine, messages, answer, p.plan, p.measure_drift)
 
     async for item in _drain(_submit(rt, run)):
-        if isinstance(item, Final):
-            ttft = (first_at or time.perf_counter()) - p.started
-            item.stats.time_to_first_token_s = ttft
+        if isinstance(item, Answered):
+            item.stats.time_to_first_token_s = (first_at or time.perf_counter()) - p.started
         yield item
 
 
@@ -168,7 +230,7 @@ def _submit(rt: Runtime, run: JobFn) -> Job:
         ) from None
 
 
-async def _drain(job: Job) -> AsyncIterator[str | Final]:
+async def _drain(job: Job) -> AsyncIterator[str | Answered]:
     try:
         async for kind, value in job.events():
             if kind == "delta":
@@ -176,7 +238,7 @@ async def _drain(job: Job) -> AsyncIterator[str | Final]:
             elif kind == "error":
                 raise _as_api_error(value)
             else:
-                yield Final(value, assess(value.signals), job.queue_s)
+                yield Answered(value, job.queue_s)
     finally:
         job.cancel.set()  # a client that went away stops its generation
 

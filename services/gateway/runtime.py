@@ -11,7 +11,9 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from services.config import Settings
+from services.gateway.fallback import KnowledgeBase
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.trust import TrustJudge, load_judge
 from services.gateway.worker import EngineWorker
 from services.telemetry.schema import TelemetryEvent
 from sparse_engine.engine import Engine
@@ -73,6 +75,10 @@ class Runtime:
     upstream: httpx.AsyncClient | None = None
     control: ControlListener | None = None
     jobs: JobClients = field(init=False)
+    trust: TrustJudge = field(init=False)
+    knowledge: KnowledgeBase = field(init=False)
 
     def __post_init__(self) -> None:
         self.jobs = JobClients(self.settings)
+        self.trust = load_judge(self.settings, self.engine.lm.model_id)
+        self.knowledge = KnowledgeBase(self.settings)

@@ -1,6 +1,6 @@
 """The SQL schema as typed SQLAlchemy models: request summaries, window snapshots, calibrations,
-alerts, the webhook outbox, job runs, model flags and golden-set runs. Every timestamp is
-timezone-aware UTC.
+alerts, the webhook outbox, job runs, model flags, golden-set runs and knowledge-base passages.
+Every timestamp is timezone-aware UTC.
 
 The tables are created by the Alembic migrations in `migrations/`, never from this metadata."""
 
@@ -20,6 +20,7 @@ from sqlalchemy import (
     Integer,
     MetaData,
     String,
+    Text,
     TypeDecorator,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -253,3 +254,20 @@ class GoldenRun(Base):
     prompts: Mapped[int]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     details: Mapped[dict[str, Any]]
+
+
+class KBPassage(Base):
+    """One knowledge-base passage for fallback retrieval, unique by the sha256 of its
+    normalised text. Its full-text index (FTS5 `kb_fts` on SQLite, the generated `search`
+    column on PostgreSQL) is maintained by the database and read by `services.storage.kb`."""
+
+    __tablename__ = "kb_passages"
+
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    )
+    source: Mapped[str] = mapped_column(String)
+    title: Mapped[str] = mapped_column(String, default="", server_default="")
+    text: Mapped[str] = mapped_column(Text)
+    digest: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

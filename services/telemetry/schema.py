@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = "1.1"  # 1.1 added prompt_text
+SCHEMA_VERSION = "1.2"  # 1.1 added prompt_text; 1.2 trust reasons and token confidence
 SUPPORTED_MAJOR = "1"
 CE_TYPE = "io.sparseguard.telemetry.v1"
 CE_SOURCE = "sparseguard/gateway"
@@ -73,6 +73,12 @@ class TelemetryEvent(BaseModel):
     cache_hit_rate: float | None = None
     trust_score: float | None = None
     trust_action: str | None = None
+    trust_reasons: list[str] = []
+    trust_first_score: float | None = Field(
+        None, description="the first answer's trust score, when a trust action regenerated it"
+    )
+    mean_token_logprob: float | None = None
+    mean_token_entropy: float | None = None
     policy_flags: list[str] = []
     hygiene_flags: list[str] = []
     error: EventError | None = None

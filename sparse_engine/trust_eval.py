@@ -1,0 +1,136 @@
+"""Does the trust signal work? The model answers QA items; each answer is graded and kept with
+its signals as a record (cached as JSONL, so fitting and evaluating reuse the same answers);
+AUROC says how well a score ranks wrong answers above right ones."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sparse_engine.engine import Engine
+from sparse_engine.plan import Level
+from sparse_engine.qa import QAItem, grade, qa_messages
+from sparse_engine.requests import GenerationRequest
+from sparse_engine.trust_signals import RequestSignals, from_stats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class QARecord:
+    index: int
+    answer: str
+    contains: bool
+    f1: float
+    correct: bool
+    signals: RequestSignals
+
+    def to_json(self) -> str:
+        return json.dumps({**_fields(self), "signals": self.signals.to_dict()})
+
+    @classmethod
+    def from_json(cls, line: str) -> QARecord:
+        data = json.loads(line)
+        return cls(**{**data, "signals": RequestSignals.from_dict(data["signals"])})
+
+
+@dataclass(frozen=True, slots=True)
+class RecordSet:
+    """Where the answers to one data spec, under one engine setup, are kept."""
+
+    root: Path
+    data: str
+    model: str
+    calibration: str
+    max_new_tokens: int
+
+    @property
+    def path(self) -> Path:
+        slug = re.sub(r"[^A-Za-z0-9]+", "-", f"{self.data}-{self.model}-{self.calibration}").strip(
+            "-"
+        )
+        return self.root / f"{slug}-{self.max_new_tokens}t.jsonl"
+
+    def load(self) -> dict[int, QARecord]:
+        if not self.path.is_file():
+            return {}
+        lines = self.path.read_text(encoding="utf-8").splitlines()
+        return {r.index: r for r in map(QARecord.from_json, filter(None, lines))}
+
+
+def answer(engine: Engine, item: QAItem, index: int, level: Level, max_new_tokens: int) -> QARecord:
+    """Greedy answer at `level`, with drift measured, graded against the gold answers."""
+    messages = qa_messages(item)
+    request = GenerationRequest(
+        messages=messages, max_new_tokens=max_new_tokens, measure_drift=True, use_prefix_cache=False
+    )
+    stats = engine.generate(request, level).result()
+    g = grade(stats.text, item.answers)
+    signals = from_stats(stats, messages[0]["content"])
+    return QARecord(index, stats.text, g.contains, g.f1, g.correct, signals)
+
+
+def collect(
+    engine: Engine,
+    items: Sequence[QAItem],
+    indices: Sequence[int],
+    level: Level,
+    records: RecordSet,
+    progress: Callable[[int], object] = lambda _: None,
+) -> list[QARecord]:
+    """Records for `indices` of `items`: cached ones are read back, missing ones are answered
+    and appended as they come, so an interrupted run resumes where it stopped."""
+    cached = records.load()
+    records.path.parent.mkdir(parents=True, exist_ok=True)
+    out = []
+    with records.path.open("a", encoding="utf-8") as sink:
+        for index in indices:
+            record = cached.get(index)
+            if record is None:
+                record = answer(engine, items[index], index, level, records.max_new_tokens)
+                sink.write(record.to_json() + "\n")
+                sink.flush()
+            out.append(record)
+            progress(1)
+    return out
+
+
+def auroc(scores: Sequence[float], positives: Sequence[bool]) -> float:
+    """Probability that a random positive scores above a random negative (ties count half):
+    the Mann-Whitney U statistic over average ranks. NaN when a class is empty."""
+    n_pos = sum(positives)
+    n_neg = len(positives) - n_pos
+    if not n_pos or not n_neg:
+        return float("nan")
+    ranks = _average_ranks(scores)
+    rank_sum = sum(r for r, p in zip(ranks, positives, strict=True) if p)
+    return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+
+
+def _average_ranks(values: Sequence[float]) -> list[float]:
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    start = 0
+    while start < len(order):
+        end = start
+        while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
+            end += 1
+        for k in range(start, end + 1):
+            ranks[order[k]] = (start + end) / 2 + 1
+        start = end + 1
+    return ranks
+
+
+def _fields(record: QARecord) -> dict[str, Any]:
+    return {
+        "index": record.index,
+        "answer": record.answer,
+        "contains": record.contains,
+        "f1": record.f1,
+        "correct": record.correct,
+    }

@@ -1,0 +1,172 @@
+"""The trust model: L2-regularised logistic regression over the trust features, predicting that
+an answer is right. Fit on graded answers (`fit`), stored as a versioned JSON artefact like a
+calibration (`TrustStore`), applied per request (`TrustModel.score`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sparse_engine.trust_signals import FEATURES, RequestSignals, SilenceBaseline, features
+
+DEFAULT_L2 = 1e-2
+
+
+class TrustModelNotFoundError(LookupError):
+    """No trust model is stored for this model."""
+
+
+@dataclass(slots=True)
+class TrustModel:
+    model_id: str
+    level: str
+    feature_names: list[str]
+    weights: list[float]
+    bias: float
+    mean: list[float]
+    std: list[float]
+    baseline_mean: list[float]
+    baseline_std: list[float]
+    drift_default: float
+    fit_data: dict[str, Any]
+    created_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
+    version: str = ""
+
+    @property
+    def baseline(self) -> SilenceBaseline:
+        return SilenceBaseline(tuple(self.baseline_mean), tuple(self.baseline_std))
+
+    def score(self, sig: RequestSignals) -> float:
+        """Probability that the answer is right, in [0, 1]."""
+        return float(torch.sigmoid(self._logit(torch.tensor([self.vector(sig)]))[0]))
+
+    def vector(self, sig: RequestSignals) -> list[float]:
+        return features(sig, self.baseline, self.drift_default)
+
+    def _logit(self, x: torch.Tensor) -> torch.Tensor:
+        z = (x.double() - torch.tensor(self.mean)) / torch.tensor(self.std)
+        return z @ torch.tensor(self.weights, dtype=torch.float64) + self.bias
+
+    def contributions(self, sig: RequestSignals) -> dict[str, float]:
+        """Each feature's share of the logit, for the reasons a score gives."""
+        z = (torch.tensor(self.vector(sig), dtype=torch.float64) - torch.tensor(self.mean)) / (
+            torch.tensor(self.std)
+        )
+        terms = z * torch.tensor(self.weights, dtype=torch.float64)
+        return dict(zip(self.feature_names, terms.tolist(), strict=True))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrustModel:
+        names = {f.name for f in dataclasses.fields(cls)}
+        model = cls(**{k: v for k, v in data.items() if k in names})
+        if model.feature_names != list(FEATURES):
+            raise ValueError(
+                f"trust model {model.version} uses features {model.feature_names}; this version "
+                "reads others: fit a new one with `sparseguard trust fit`"
+            )
+        return model
+
+
+def fit(
+    signals: Sequence[RequestSignals],
+    correct: Sequence[bool],
+    *,
+    model_id: str,
+    level: str,
+    fit_data: dict[str, Any],
+    l2: float = DEFAULT_L2,
+) -> TrustModel:
+    """Standardise the features, then minimise the mean logistic loss plus `l2` * |w|^2."""
+    if len(set(correct)) < 2:
+        raise ValueError("fitting needs both right and wrong answers in the data; use more items")
+    baseline = SilenceBaseline.of([s.silence_per_layer for s in signals])
+    drifts = [s.drift_kl for s in signals if s.drift_kl is not None]
+    drift_default = sum(drifts) / len(drifts) if drifts else 0.0
+    x = torch.tensor([features(s, baseline, drift_default) for s in signals], dtype=torch.float64)
+    y = torch.tensor(correct, dtype=torch.float64)
+    mean, std = x.mean(0), x.std(0, unbiased=False).clamp_min(1e-9)
+    w, b = _logistic_regression((x - mean) / std, y, l2)
+    return TrustModel(
+        model_id=model_id,
+        level=level,
+        feature_names=list(FEATURES),
+        weights=w.tolist(),
+        bias=b,
+        mean=mean.tolist(),
+        std=std.tolist(),
+        baseline_mean=list(baseline.mean),
+        baseline_std=list(baseline.std),
+        drift_default=drift_default,
+        fit_data={**fit_data, "items": len(signals), "right": int(sum(correct)), "l2": l2},
+    )
+
+
+def _logistic_regression(x: torch.Tensor, y: torch.Tensor, l2: float) -> tuple[torch.Tensor, float]:
+    params = torch.zeros(x.shape[1] + 1, dtype=torch.float64, requires_grad=True)
+    optimiser = torch.optim.LBFGS([params], max_iter=500, line_search_fn="strong_wolfe")
+
+    def loss_fn() -> torch.Tensor:
+        optimiser.zero_grad()
+        logits = x @ params[:-1] + params[-1]
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, y)
+        loss = loss + l2 * params[:-1].pow(2).sum()
+        loss.backward()  # type: ignore[no-untyped-call]
+        return loss
+
+    with torch.enable_grad():
+        optimiser.step(loss_fn)  # type: ignore[no-untyped-call]
+    found = params.detach()
+    return found[:-1], float(found[-1])
+
+
+class TrustStore:
+    """Trust models as `<root>/<version>.json`, written atomically."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def save(self, model: TrustModel) -> TrustModel:
+        body = json.dumps([model.weights, model.bias, model.fit_data], sort_keys=True)
+        stamp = datetime.fromisoformat(model.created_at).strftime("%Y%m%dT%H%M%S")
+        model.version = (
+            f"trust-{model.level}-{stamp}-{hashlib.sha256(body.encode()).hexdigest()[:8]}"
+        )
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(model.to_dict(), f, indent=2)
+        os.replace(tmp, self.root / f"{model.version}.json")
+        return model
+
+    def load(self, version: str) -> TrustModel:
+        path = self.root / f"{version}.json"
+        if not path.is_file():
+            raise TrustModelNotFoundError(f"no trust model {version!r} in {self.root}")
+        return TrustModel.from_dict(json.loads(path.read_text(encoding="utf-8")))
+
+    def latest(self, model_id: str) -> TrustModel:
+        found = sorted(
+            (m for m in map(self._read, self.root.glob("trust-*.json")) if m.model_id == model_id),
+            key=lambda m: m.created_at,
+        )
+        if not found:
+            raise TrustModelNotFoundError(
+                f"no trust model for {model_id} in {self.root}; run `sparseguard trust fit`"
+            )
+        return found[-1]
+
+    def _read(self, path: Path) -> TrustModel:
+        return TrustModel.from_dict(json.loads(path.read_text(encoding="utf-8")))
