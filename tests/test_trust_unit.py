@@ -1,0 +1,196 @@
+"""The trust math on its own: AUROC, answer grading, QA files, the trust model's fit and
+store, the rolling baseline, the judge's reasons and the fallback prompts."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from services.config import Settings, TrustSettings
+from services.gateway.fallback import route_action, simplified, with_passages
+from services.gateway.schemas import ChatInput
+from services.gateway.trust import RollingBaseline, TrustJudge
+from services.storage.kb import Hit
+from sparse_engine.qa import QADataError, grade, load_qa, normalise, token_f1
+from sparse_engine.recorder import SignalSummary
+from sparse_engine.requests import GenerationStats
+from sparse_engine.trust_eval import QARecord, auroc
+from sparse_engine.trust_model import TrustModelNotFoundError, TrustStore, fit
+from sparse_engine.trust_report import report
+from sparse_engine.trust_signals import RequestSignals, SilenceBaseline, context_overlap
+
+
+@given(st.lists(st.tuples(st.integers(0, 5), st.booleans()), min_size=2, max_size=40))
+def test_auroc_equals_the_share_of_ordered_pairs(pairs: list[tuple[int, bool]]) -> None:
+    scores, labels = [float(s) for s, _ in pairs], [label for _, label in pairs]
+    pos = [s for s, label in zip(scores, labels, strict=True) if label]
+    neg = [s for s, label in zip(scores, labels, strict=True) if not label]
+    got = auroc(scores, labels)
+    if not pos or not neg:
+        assert got != got  # NaN
+        return
+    wins = sum(1.0 if p > n else 0.5 if p == n else 0.0 for p in pos for n in neg)
+    assert got == pytest.approx(wins / (len(pos) * len(neg)))
+
+
+def test_grading_normalises_and_takes_the_best_gold_answer() -> None:
+    assert normalise("The  Eiffel-Tower!") == "eiffeltower"
+    assert grade("It is in Paris, France.", ("paris",)).contains
+    assert not grade("Parisian food", ("Paris",)).contains  # whole words only
+    # "city of paris" against "paris": precision 1/3, recall 1
+    assert token_f1("the city of Paris", "Paris") == pytest.approx(0.5)
+    best = grade("Channel 4", ("BBC One", "Channel 4"))
+    assert best.contains and best.f1 == 1.0 and best.correct
+    assert not grade("I do not know", ("Bomarea",)).correct
+
+
+def test_qa_files_accept_answer_or_answers_and_reject_bad_lines(tmp_path: Path) -> None:
+    path = tmp_path / "qa.jsonl"
+    rows = [
+        {"question": "Capital of France?", "answer": "Paris", "context": "Paris is..."},
+        {"question": "Largest planet?", "answers": ["Jupiter", "planet Jupiter"]},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    items = load_qa(str(path), tmp_path)
+    assert items[0].answers == ("Paris",) and items[0].context == "Paris is..."
+    assert items[1].answers == ("Jupiter", "planet Jupiter") and items[1].context == ""
+    path.write_text(json.dumps({"question": "no answer"}))
+    with pytest.raises(QADataError, match="'answers'"):
+        load_qa(str(path), tmp_path)
+    path.write_text("{not json")
+    with pytest.raises(QADataError, match=r"qa\.jsonl:1: not JSON"):
+        load_qa(str(path), tmp_path)
+    with pytest.raises(QADataError, match="halueval"):
+        load_qa(str(tmp_path / "missing.jsonl"), tmp_path)
+
+
+def _signals(rng: random.Random, right: bool) -> RequestSignals:
+    # Right answers are confident; silence carries no information, as measured on SmolLM2.
+    return RequestSignals(
+        silence_per_layer=[rng.random() * 0.2 for _ in range(4)],
+        mean_logprob=(-0.3 if right else -1.2) + rng.gauss(0, 0.3),
+        min_logprob=-2.0 + rng.gauss(0, 0.5),
+        mean_entropy=rng.random(),
+        length=rng.randint(3, 30),
+        drift_kl=rng.random() * 0.1 if rng.random() < 0.5 else None,
+    )
+
+
+def _records(n: int, seed: int) -> list[QARecord]:
+    rng = random.Random(seed)
+    labels = [rng.random() < 0.4 for _ in range(n)]
+    return [
+        QARecord(i, "answer", right, 1.0 if right else 0.0, right, _signals(rng, right))
+        for i, right in enumerate(labels)
+    ]
+
+
+def test_fit_learns_the_informative_feature_and_generalises(tmp_path: Path) -> None:
+    train, test = _records(300, 0), _records(200, 1)
+    model = fit(
+        [r.signals for r in train],
+        [r.correct for r in train],
+        model_id="m",
+        level="balanced",
+        fit_data={"data": "synthetic", "offset": 0, "n": 300},
+    )
+    weights = dict(zip(model.feature_names, model.weights, strict=True))
+    assert max(weights, key=lambda k: abs(weights[k])) == "mean_logprob"
+    assert weights["mean_logprob"] > 0  # more confident -> more likely right
+    held = report(test, model, {"data": "synthetic", "offset": 300, "n": 200})
+    assert held.held_out is True and held.trust_auroc > 0.9
+    assert report(train, model, {"data": "synthetic", "offset": 0, "n": 10}).held_out is False
+    assert all(0.0 <= model.score(r.signals) <= 1.0 for r in test)
+    store = TrustStore(tmp_path)
+    saved = store.save(model)
+    assert saved.version.startswith("trust-balanced-")
+    assert store.latest("m").weights == model.weights
+    assert store.load(saved.version).score(test[0].signals) == model.score(test[0].signals)
+    with pytest.raises(TrustModelNotFoundError, match="sparseguard trust fit"):
+        store.latest("other-model")
+
+
+def test_fit_refuses_data_with_one_class() -> None:
+    sigs = [RequestSignals(mean_logprob=-1.0)] * 5
+    with pytest.raises(ValueError, match="both right and wrong"):
+        fit(sigs, [True] * 5, model_id="m", level="balanced", fit_data={})
+
+
+def test_report_names_the_best_baseline_and_the_direction_of_silence() -> None:
+    records = _records(200, 2)
+    for r in records:  # silence rises on wrong answers in this data
+        r.signals.silence_per_layer = [0.0, 0.0, 0.1, 0.5 if not r.correct else 0.2]
+    result = report(records, None, None)
+    assert result.best_baseline == "mean_logprob" and result.best_baseline_auroc > 0.9
+    assert result.silence_moves == "higher on wrong answers"
+    assert result.trust_auroc == 1.0  # the rule-based score is 1 - late silence
+    assert result.to_dict()["rows"][0]["name"] == "trust_score"
+
+
+def test_silence_baseline_deviation_and_context_overlap() -> None:
+    base = SilenceBaseline.of([[0.1, 0.0], [0.3, 0.0]])
+    assert base.mean == (0.2, 0.0) and base.std == pytest.approx((0.1, 0.0))
+    assert base.deviation([0.4, 0.0]) == pytest.approx(1.0)  # (2 + 0) / 2
+    assert base.deviation([0.2, 0.05]) == pytest.approx(2.5)  # a still layer moved 0.05
+    assert base.deviation([0.1]) == 0.0  # another layer count: no judgement
+    assert context_overlap("Paris is the capital of France.", "Paris, France") == 1.0
+    assert context_overlap("Paris is the capital.", "Berlin") == 0.0
+
+
+def test_rolling_baseline_warms_up_then_flags_a_jump() -> None:
+    baseline = RollingBaseline(span=20, min_requests=10)
+    for i in range(9):
+        baseline.update("balanced", 0.10 + 0.01 * (i % 2))
+    assert baseline.z("balanced", 0.9) is None
+    baseline.update("balanced", 0.10)
+    z = baseline.z("balanced", 0.9)
+    assert z is not None and z > 10
+    assert baseline.z("aggressive", 0.9) is None  # levels are apart
+
+
+def _stats(silence: list[float], confidence: float = 0.85, entropy: float = 0.5) -> GenerationStats:
+    summary = SignalSummary(0.5, [0.5] * len(silence), confidence, 1.0, silence, [0.5], entropy)
+    return GenerationStats(
+        "Paris", "balanced", "v1", 10, 1, "stop", 0.1, 0.2, 10.0, 100.0, 3.0, summary,
+        token_logprobs=[-0.1], token_entropies=[0.2],
+    )  # fmt: skip
+
+
+def test_judge_reasons_and_header() -> None:
+    judge = TrustJudge(TrustSettings(min_score=0.3), None)
+    calm = judge.assess(_stats([0.1, 0.1, 0.1, 0.1]), "prompt", is_dense=False)
+    assert calm.reasons == () and not calm.low and calm.action == "none"
+    assert calm.header() == "0.900; action=none"
+    spike = judge.assess(_stats([0.1, 0.9, 0.9, 0.9]), "prompt", is_dense=False)
+    assert spike.reasons == ("silence-spike", "low-score") and spike.low
+    assert spike.header() == "0.100; action=flag; reasons=silence-spike,low-score"
+    gate = judge.assess(_stats([0.0] * 4, confidence=0.97, entropy=0.99), "p", is_dense=False)
+    assert gate.reasons == ("gate-degraded", "monotonous-input") and not gate.low  # report only
+    dense = judge.assess(_stats([0.0] * 4, confidence=1.0, entropy=0.99), "p", is_dense=True)
+    assert dense.reasons == ()
+    acted = spike.acted("retrieve", calm, passages=2)
+    assert acted.header().endswith("first=0.100; passages=2") and acted.score == 0.9
+
+
+def _chat(api: str = "openai", stream: bool = False) -> ChatInput:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q?"}]
+    return ChatInput(api, "m", messages, 16, 0.0, 1.0, (), stream, None, None)  # type: ignore[arg-type]
+
+
+def test_route_actions_and_fallback_prompts() -> None:
+    settings = Settings(trust=TrustSettings(actions={"/v1/chat/completions": "retrieve"}))
+    assert route_action(settings, _chat()) == "retrieve"
+    assert route_action(settings, _chat("anthropic")) == "flag"  # the default
+    assert route_action(settings, _chat(stream=True)) == "flag"  # already sent
+    hits = [Hit(1, "wiki", "Paris", "Paris is the capital of France. " * 40, 1.0)]
+    augmented = with_passages(_chat().messages, hits, max_chars=60)
+    assert augmented[0] == {"role": "system", "content": "Be brief."}
+    assert augmented[1]["content"].startswith("Use these passages")
+    assert "[1] Paris: Paris is the capital" in augmented[1]["content"]
+    assert augmented[1]["content"].endswith("\n\nQ?") and len(augmented[1]["content"]) < 200
+    assert simplified(_chat().messages)[1]["content"] == "Q?\n\nAnswer in more basic language."
