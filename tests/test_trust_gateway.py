@@ -145,7 +145,7 @@ def test_nothing_retrieved_means_simplify_and_other_routes_only_flag(
     final = [json.loads(line[6:]) for line in streamed.text.splitlines() if "ir_stats" in line]
     assert final[0]["ir_stats"]["trust_action"] == "flag"
     assert "action=flag" in anthropic.headers["x-ir-trust"]
-    actions = [e.trust_action for e in sink.events]
+    actions = [str(e.trust_action) for e in sink.events]
     assert sorted(actions) == ["flag", "flag", "simplify"]
 
 
