@@ -88,7 +88,21 @@ OVERVIEW = Dashboard(
             ),
             description="Requests the gateway answered with a trust action (e.g. fallback).",
             unit="reqps",
-            width=24,
+        ),
+        Panel(
+            "Trust score (gateway)",
+            tuple(
+                Target(
+                    f"histogram_quantile({q}, sum by (le, level) (rate("
+                    f'sparseguard_gateway_trust_score_bucket{{level=~"$level"}}[$__rate_interval])))',
+                    f"p{round(q * 100)} {{{{level}}}}",
+                )
+                for q in (0.1, 0.5)
+            ),
+            description="Trust of each answer before any action: the trust model's probability "
+            "that it is right (1 - late-layer silence without a model).",
+            min=0,
+            max=1,
         ),
         Row("Alerts"),
         Panel(

@@ -22,6 +22,9 @@ class SignalSummary:
     silence_rate_per_layer: list[float]
     step_sparsity: list[float]
     gate_entropy: float
+    # Mean |activation| per MLP channel over the answer's tokens, one row per layer (empty
+    # before any answer token): what the trust model's channel probe reads.
+    answer_channels: list[torch.Tensor] | None = None
 
 
 class SignalRecorder:
@@ -39,9 +42,15 @@ class SignalRecorder:
         self.kept_share_tokens = torch.zeros(num_layers, dtype=torch.float64)
         self.magnitude: list[torch.Tensor | None] = [None] * num_layers
         self.silence_tokens = 0
+        # Answer positions: every step after the first (the prefill) when generating, or the
+        # positions from `answer_start` on in one teacher-forced pass.
+        self.answer_magnitude: list[torch.Tensor | None] = [None] * num_layers
+        self.answer_tokens = 0
+        self.answer_start: int | None = None
         self.token_zeros: torch.Tensor | None = None  # per position, for a single-pass score
         self.token_width = 0.0
         self.step_sparsity: list[float] = []
+        self.steps = 0
         self._step_start = (0.0, 0.0)
 
     def track_positions(self, num_positions: int) -> None:
@@ -58,6 +67,7 @@ class SignalRecorder:
         self._step_start = (float(self.zeros.sum()), float(self.numel.sum()))
 
     def end_step(self) -> None:
+        self.steps += 1
         zeros = float(self.zeros.sum()) - self._step_start[0]
         numel = float(self.numel.sum()) - self._step_start[1]
         if numel:
@@ -77,9 +87,14 @@ class SignalRecorder:
     def observe_channels(self, layer: int, magnitude: torch.Tensor) -> None:
         """Record MLP channel activity: |input| of the down projection, before sparsity."""
         flat = magnitude.reshape(-1, magnitude.shape[-1])
-        magnitude = flat.sum(0, dtype=torch.float64)
-        previous = self.magnitude[layer]
-        self.magnitude[layer] = magnitude if previous is None else previous + magnitude
+        self.magnitude[layer] = _add(self.magnitude[layer], flat.sum(0, dtype=torch.float64))
+        answer = flat[self.answer_start :] if self.answer_start is not None else flat
+        if self.answer_start is not None or self.steps:
+            self.answer_magnitude[layer] = _add(
+                self.answer_magnitude[layer], answer.sum(0, dtype=torch.float64)
+            )
+            if layer == 0:
+                self.answer_tokens += answer.shape[0]
         if layer == 0:
             self.silence_tokens += flat.shape[0]
 
@@ -101,7 +116,16 @@ class SignalRecorder:
             silence_rate_per_layer=self._silence_rates(),
             step_sparsity=list(self.step_sparsity),
             gate_entropy=self._gate_entropy(),
+            answer_channels=self._answer_channels(),
         )
+
+    def _answer_channels(self) -> list[torch.Tensor] | None:
+        if not self.answer_tokens:
+            return None
+        return [
+            (m / self.answer_tokens).float() if m is not None else torch.zeros(0)
+            for m in self.answer_magnitude
+        ]
 
     def _silence_rates(self) -> list[float]:
         tokens = max(self.silence_tokens, 1)
@@ -113,3 +137,7 @@ class SignalRecorder:
     def _gate_entropy(self) -> float:
         values = [signals.normalised_entropy(m) for m in self.magnitude if m is not None]
         return sum(values) / len(values) if values else 0.0
+
+
+def _add(total: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    return value if total is None else total + value

@@ -32,6 +32,7 @@ def score_answer(
     ids = torch.tensor([prompt_ids + answer_ids])
     recorder = SignalRecorder(engine.lm.num_layers, plan.silence_thresholds)
     recorder.track_positions(ids.shape[1])
+    recorder.answer_start = len(prompt_ids)
     started = time.perf_counter()
     with torch.inference_mode(), sparsified(engine.lm.layers, plan, recorder):
         recorder.begin_step()

@@ -19,6 +19,7 @@ from sparse_engine.requests import GenerationRequest
 from sparse_engine.trust_signals import RequestSignals, from_stats
 
 log = logging.getLogger(__name__)
+RECORD_FORMAT = 2  # 2 added the channel probe; older records are answered again
 
 
 @dataclass(slots=True)
@@ -54,7 +55,7 @@ class RecordSet:
         slug = re.sub(r"[^A-Za-z0-9]+", "-", f"{self.data}-{self.model}-{self.calibration}").strip(
             "-"
         )
-        return self.root / f"{slug}-{self.max_new_tokens}t.jsonl"
+        return self.root / f"{slug}-{self.max_new_tokens}t-v{RECORD_FORMAT}.jsonl"
 
     def load(self) -> dict[int, QARecord]:
         if not self.path.is_file():

@@ -17,9 +17,11 @@ from typing import Any
 
 import torch
 
-from sparse_engine.trust_signals import FEATURES, RequestSignals, SilenceBaseline, features
+from sparse_engine.trust_eval import auroc
+from sparse_engine.trust_signals import RequestSignals, SilenceBaseline, feature_names, features
 
-DEFAULT_L2 = 1e-2
+L2_GRID = (0.1, 0.3, 1.0, 3.0)  # penalties tried by cross-validation when none is given
+FOLDS = 5
 
 
 class TrustModelNotFoundError(LookupError):
@@ -38,6 +40,7 @@ class TrustModel:
     baseline_mean: list[float]
     baseline_std: list[float]
     drift_default: float
+    probe_size: int
     fit_data: dict[str, Any]
     created_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
     version: str = ""
@@ -51,7 +54,7 @@ class TrustModel:
         return float(torch.sigmoid(self._logit(torch.tensor([self.vector(sig)]))[0]))
 
     def vector(self, sig: RequestSignals) -> list[float]:
-        return features(sig, self.baseline, self.drift_default)
+        return features(sig, self.baseline, self.drift_default, self.probe_size)
 
     def _logit(self, x: torch.Tensor) -> torch.Tensor:
         z = (x.double() - torch.tensor(self.mean)) / torch.tensor(self.std)
@@ -70,9 +73,15 @@ class TrustModel:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrustModel:
-        names = {f.name for f in dataclasses.fields(cls)}
-        model = cls(**{k: v for k, v in data.items() if k in names})
-        if model.feature_names != list(FEATURES):
+        fields = dataclasses.fields(cls)
+        missing = [f.name for f in fields if f.name not in data and f.name != "created_at"]
+        if missing:
+            raise ValueError(
+                f"trust model {data.get('version', '?')} lacks {missing}: it was made by an "
+                "older version; fit a new one with `sparseguard trust fit`"
+            )
+        model = cls(**{k: v for k, v in data.items() if k in {f.name for f in fields}})
+        if model.feature_names != feature_names(model.probe_size):
             raise ValueError(
                 f"trust model {model.version} uses features {model.feature_names}; this version "
                 "reads others: fit a new one with `sparseguard trust fit`"
@@ -87,22 +96,27 @@ def fit(
     model_id: str,
     level: str,
     fit_data: dict[str, Any],
-    l2: float = DEFAULT_L2,
+    l2: float | None = None,
 ) -> TrustModel:
-    """Standardise the features, then minimise the mean logistic loss plus `l2` * |w|^2."""
+    """Standardise the features, then minimise the mean logistic loss plus l2 * |w|^2, with
+    `l2` chosen by cross-validated AUROC over L2_GRID when not given."""
     if len(set(correct)) < 2:
         raise ValueError("fitting needs both right and wrong answers in the data; use more items")
     baseline = SilenceBaseline.of([s.silence_per_layer for s in signals])
     drifts = [s.drift_kl for s in signals if s.drift_kl is not None]
     drift_default = sum(drifts) / len(drifts) if drifts else 0.0
-    x = torch.tensor([features(s, baseline, drift_default) for s in signals], dtype=torch.float64)
+    probe_size = _probe_size(signals)
+    x = torch.tensor(
+        [features(s, baseline, drift_default, probe_size) for s in signals], dtype=torch.float64
+    )
     y = torch.tensor(correct, dtype=torch.float64)
+    chosen, cv = (l2, None) if l2 is not None else _choose_l2(x, y)
     mean, std = x.mean(0), x.std(0, unbiased=False).clamp_min(1e-9)
-    w, b = _logistic_regression((x - mean) / std, y, l2)
+    w, b = _logistic_regression((x - mean) / std, y, chosen)
     return TrustModel(
         model_id=model_id,
         level=level,
-        feature_names=list(FEATURES),
+        feature_names=feature_names(probe_size),
         weights=w.tolist(),
         bias=b,
         mean=mean.tolist(),
@@ -110,8 +124,40 @@ def fit(
         baseline_mean=list(baseline.mean),
         baseline_std=list(baseline.std),
         drift_default=drift_default,
-        fit_data={**fit_data, "items": len(signals), "right": int(sum(correct)), "l2": l2},
+        probe_size=probe_size,
+        fit_data={
+            **fit_data,
+            "items": len(signals),
+            "right": int(sum(correct)),
+            "l2": chosen,
+            "cv_auroc": cv,
+        },
     )
+
+
+def _probe_size(signals: Sequence[RequestSignals]) -> int:
+    sizes = {len(s.probe) for s in signals if s.probe}
+    if len(sizes) > 1:
+        raise ValueError(f"answers carry channel probes of different sizes {sorted(sizes)}")
+    return sizes.pop() if sizes else 0
+
+
+def _choose_l2(x: torch.Tensor, y: torch.Tensor) -> tuple[float, dict[str, float]]:
+    """The penalty with the best mean AUROC over FOLDS interleaved folds."""
+    folds = [torch.arange(len(y))[k::FOLDS] for k in range(FOLDS)]
+    scores = {}
+    for l2 in L2_GRID:
+        aucs = []
+        for test in folds:
+            train = torch.ones(len(y), dtype=torch.bool)
+            train[test] = False
+            mean, std = x[train].mean(0), x[train].std(0, unbiased=False).clamp_min(1e-9)
+            w, b = _logistic_regression((x[train] - mean) / std, y[train], l2)
+            logit = (x[test] - mean) / std @ w + b
+            aucs.append(auroc((-logit).tolist(), (y[test] == 0).tolist()))
+        scores[str(l2)] = sum(aucs) / len(aucs)
+    best = max(L2_GRID, key=lambda l2: scores[str(l2)])
+    return best, scores
 
 
 def _logistic_regression(x: torch.Tensor, y: torch.Tensor, l2: float) -> tuple[torch.Tensor, float]:
@@ -157,14 +203,20 @@ class TrustStore:
             raise TrustModelNotFoundError(f"no trust model {version!r} in {self.root}")
         return TrustModel.from_dict(json.loads(path.read_text(encoding="utf-8")))
 
-    def latest(self, model_id: str) -> TrustModel:
+    def latest(self, model_id: str, level: str | None = None) -> TrustModel:
+        """The newest model for `model_id` (fit at `level`, when given)."""
         found = sorted(
-            (m for m in map(self._read, self.root.glob("trust-*.json")) if m.model_id == model_id),
-            key=lambda m: m.created_at,
+            (
+                m
+                for m in map(self._read, self.root.glob("trust-*.json"))
+                if m.model_id == model_id and level in (None, m.level)
+            ),
+            key=lambda m: (m.created_at, m.version),
         )
         if not found:
             raise TrustModelNotFoundError(
-                f"no trust model for {model_id} in {self.root}; run `sparseguard trust fit`"
+                f"no trust model for {model_id}{f' at {level}' if level else ''} in {self.root}; "
+                "run `sparseguard trust fit`"
             )
         return found[-1]
 

@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
 from sparse_engine.requests import GenerationStats
 
 LATE_BAND = 3  # the last layers, whose silence is the spike signal
+PROBE_DEPTH = 2 / 3  # the channel probe reads the MLP layer two thirds of the way up
+PROBE_FLOOR = 1e-4  # log(mean |a| + floor): silent channels stay finite
 FEATURES = (
     "late_silence",
     "silence_deviation",
@@ -52,6 +57,9 @@ class RequestSignals:
     first_entropy: float = 0.0
     prompt_tokens: int = 0
     sparsity_per_layer: list[float] = field(default_factory=list)
+    # log(mean |activation| + floor) of each MLP channel of the probe layer over the answer:
+    # per-layer silence at channel resolution.
+    probe: list[float] = field(default_factory=list)
 
     @property
     def late_silence(self) -> float:
@@ -75,8 +83,13 @@ class SilenceBaseline:
 
     @classmethod
     def of(cls, rows: Sequence[Sequence[float]]) -> SilenceBaseline:
-        if not rows:
+        """Over the rows of the most common non-zero length (answers without signals have
+        none)."""
+        lengths = Counter(len(r) for r in rows if r)
+        if not lengths:
             return cls((), ())
+        width = lengths.most_common(1)[0][0]
+        rows = [r for r in rows if len(r) == width]
         columns = list(zip(*rows, strict=True))
         means = [sum(c) / len(c) for c in columns]
         stds = [
@@ -116,12 +129,43 @@ def from_stats(stats: GenerationStats, prompt_text: str) -> RequestSignals:
         first_entropy=entropies[0] if entropies else 0.0,
         prompt_tokens=stats.prompt_tokens,
         sparsity_per_layer=list(s.sparsity_per_layer) if s else [],
+        probe=channel_probe(s.answer_channels) if s and s.answer_channels else [],
     )
 
 
-def features(sig: RequestSignals, baseline: SilenceBaseline, drift_default: float) -> list[float]:
-    """The feature vector, in FEATURES order; a drift that was not measured takes
-    `drift_default` (the mean of the data the model was fit on)."""
+def probe_layer(num_layers: int) -> int:
+    return min(num_layers - 1, round(PROBE_DEPTH * num_layers))
+
+
+def channel_probe(answer_channels: Sequence[torch.Tensor]) -> list[float]:
+    means = answer_channels[probe_layer(len(answer_channels))]
+    return [round(v, 4) for v in torch.log(means + PROBE_FLOOR).tolist()]
+
+
+def features(
+    sig: RequestSignals, baseline: SilenceBaseline, drift_default: float, probe_size: int
+) -> list[float]:
+    """The feature vector: FEATURES, then the channel probe (`probe_size` values, none for a
+    model fit without it; the floor's log when the answer had no token). A drift that was not
+    measured takes `drift_default` (the mean of the data the model was fit on)."""
+    if not probe_size:
+        return scalar_features(sig, baseline, drift_default)
+    probe = sig.probe or [math.log(PROBE_FLOOR)] * probe_size
+    if len(probe) != probe_size:
+        raise ValueError(
+            f"the trust model reads {probe_size} probe channels but the answer has {len(probe)}: "
+            "fit a trust model for this model with `sparseguard trust fit`"
+        )
+    return [*scalar_features(sig, baseline, drift_default), *probe]
+
+
+def feature_names(probe_size: int) -> list[str]:
+    return [*FEATURES, *(f"probe.{i}" for i in range(probe_size))]
+
+
+def scalar_features(
+    sig: RequestSignals, baseline: SilenceBaseline, drift_default: float
+) -> list[float]:
     silence = sig.silence_per_layer
     return [
         sig.late_silence,

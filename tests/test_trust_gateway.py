@@ -50,7 +50,7 @@ def distrustful_model(home: Path, model_id: str) -> None:
     rng = random.Random(0)
     sigs = [RequestSignals(mean_logprob=rng.gauss(0, 1)) for _ in range(40)]
     model = fit(sigs, [s.mean_logprob > 0 for s in sigs], model_id=model_id, level="balanced",
-                fit_data={"data": "test"})  # fmt: skip
+                fit_data={"data": "test"}, l2=0.01)  # fmt: skip
     model.bias = -50.0
     TrustStore(home / "trust").save(model)
 

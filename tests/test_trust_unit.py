@@ -16,13 +16,16 @@ from services.gateway.fallback import route_action, simplified, with_passages
 from services.gateway.schemas import ChatInput
 from services.gateway.trust import RollingBaseline, TrustJudge
 from services.storage.kb import Hit
+from sparse_engine.plan import Level
 from sparse_engine.qa import QADataError, grade, load_qa, normalise, token_f1
 from sparse_engine.recorder import SignalSummary
-from sparse_engine.requests import GenerationStats
+from sparse_engine.requests import GenerationRequest, GenerationStats
+from sparse_engine.scoring import score_answer
 from sparse_engine.trust_eval import QARecord, auroc
 from sparse_engine.trust_model import TrustModelNotFoundError, TrustStore, fit
 from sparse_engine.trust_report import report
-from sparse_engine.trust_signals import RequestSignals, SilenceBaseline, context_overlap
+from sparse_engine.trust_signals import RequestSignals, SilenceBaseline, context_overlap, from_stats
+from tests.tiny import tiny_engine
 
 
 @given(st.lists(st.tuples(st.integers(0, 5), st.booleans()), min_size=2, max_size=40))
@@ -113,6 +116,33 @@ def test_fit_learns_the_informative_feature_and_generalises(tmp_path: Path) -> N
     assert store.load(saved.version).score(test[0].signals) == model.score(test[0].signals)
     with pytest.raises(TrustModelNotFoundError, match="sparseguard trust fit"):
         store.latest("other-model")
+
+
+def test_answer_channel_probe_from_generation_and_teacher_forcing() -> None:
+    engine = tiny_engine(cache=False)
+    request = GenerationRequest(prompt="Once upon a time", max_new_tokens=5, ignore_eos=True)
+    stats = engine.generate(request, Level.BALANCED).result()
+    assert stats.signals is not None and stats.signals.answer_channels is not None
+    width = engine.lm.layers[0].get("down").in_features
+    assert [len(row) for row in stats.signals.answer_channels] == [width] * engine.lm.num_layers
+    sig = from_stats(stats, "Once upon a time")
+    assert len(sig.probe) == width and len(stats.token_logprobs) == 5
+    assert all(lp <= 0 for lp in stats.token_logprobs)
+    messages = [{"role": "user", "content": "Once upon a time"}]
+    probed = score_answer(engine, messages, stats.text, Level.BALANCED, measure_drift=False)
+    assert from_stats(probed, "x").probe and len(probed.token_logprobs) == probed.completion_tokens
+    model = fit(
+        [sig, RequestSignals(mean_logprob=-3.0, probe=[0.0] * width)],
+        [True, False],
+        model_id="m",
+        level="balanced",
+        fit_data={},
+        l2=0.1,
+    )
+    assert model.probe_size == width and len(model.weights) == len(model.feature_names)
+    assert 0.0 <= model.score(RequestSignals()) <= 1.0  # no answer token: the floor's log
+    with pytest.raises(ValueError, match="probe channels"):
+        model.score(RequestSignals(probe=[0.0] * 3))
 
 
 def test_fit_refuses_data_with_one_class() -> None:

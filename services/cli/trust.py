@@ -28,7 +28,12 @@ def register(commands: Any) -> None:
     )
     fitting = trust.add_parser("fit", help="fit the trust model on graded QA answers")
     _data_args(fitting, offset=0, n=600)
-    fitting.add_argument("--l2", type=float, default=1e-2, help="L2 penalty on the weights")
+    fitting.add_argument(
+        "--l2", type=float, help="L2 penalty on the weights (default: chosen by 5-fold CV)"
+    )
+    fitting.add_argument(
+        "--if-missing", action="store_true", help="do nothing when a model for the level exists"
+    )
     fitting.set_defaults(handler=fit_trust)
     evaluate = commands.add_parser("eval", help="evaluations").add_subparsers(
         dest="target", required=True
@@ -56,7 +61,16 @@ def _data_args(parser: argparse.ArgumentParser, offset: int | None, n: int) -> N
 
 
 def fit_trust(args: argparse.Namespace, settings: Settings) -> int:
-    eng, records, level = _answers(args, settings)
+    eng = engine(settings, args.model)
+    if args.if_missing:
+        try:
+            found = TrustStore(settings.trust_dir).latest(eng.lm.model_id, args.level)
+        except LookupError:
+            pass
+        else:
+            emit(f"trust model {found.version} exists for {args.level}; nothing to do")
+            return 0
+    eng, records, level = _answers(args, settings, eng)
     model = fit(
         [r.signals for r in records],
         [r.correct for r in records],
@@ -85,7 +99,9 @@ def eval_trust_score(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-def _answers(args: argparse.Namespace, settings: Settings) -> tuple[Engine, list[QARecord], Level]:
+def _answers(
+    args: argparse.Namespace, settings: Settings, eng: Engine | None = None
+) -> tuple[Engine, list[QARecord], Level]:
     if args.n < 1:
         raise ValueError("--n must be at least 1")
     items = load_qa(args.data, settings.cache_home)  # before the model loads: fail fast
@@ -96,7 +112,7 @@ def _answers(args: argparse.Namespace, settings: Settings) -> tuple[Engine, list
             "reaches past the end"
         )
     level = Level.parse(args.level)
-    eng = engine(settings, args.model)
+    eng = eng or engine(settings, args.model)
     plan = eng.plan(level)
     records_at = RecordSet(
         settings.trust_dir / "records",

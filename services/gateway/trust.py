@@ -4,11 +4,13 @@ without a model) and the reasons that lowered it."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass, replace
 
 from services.config import Settings, TrustSettings
+from sparse_engine.plan import Level
 from sparse_engine.requests import GenerationStats
 from sparse_engine.trust_model import TrustModel, TrustModelNotFoundError, TrustStore
 from sparse_engine.trust_signals import RequestSignals, from_stats, rule_score
@@ -21,6 +23,7 @@ MONOTONOUS_INPUT = "monotonous-input"
 LOW_SCORE = "low-score"
 REASONS = (SILENCE_SPIKE, GATE_DEGRADED, MONOTONOUS_INPUT, LOW_SCORE)
 ACTIONS = ("none", "flag", "retrieve", "simplify")
+LEVELS = tuple(level.value for level in Level)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,20 +83,39 @@ class RollingBaseline:
 
 
 class TrustJudge:
-    def __init__(self, cfg: TrustSettings, model: TrustModel | None) -> None:
+    """Scores answers with the trust model fit at their level (else `model`, fit at another
+    level, else the rule) and keeps the rolling silence baseline per level."""
+
+    def __init__(
+        self,
+        cfg: TrustSettings,
+        model: TrustModel | None,
+        per_level: dict[str, TrustModel] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.model = model
+        self.per_level = per_level or {}
         self.baseline = RollingBaseline(cfg.baseline_span, cfg.baseline_min_requests)
 
     def assess(self, stats: GenerationStats, prompt_text: str, is_dense: bool) -> Trust:
         sig = from_stats(stats, prompt_text)
-        score = self.model.score(sig) if self.model else rule_score(sig)
+        model = self.per_level.get(stats.level, self.model)
+        score = self._score(model, sig)
         reasons = self._reasons(sig, score, stats.level, is_dense)
         if stats.signals is not None:
             self.baseline.update(stats.level, sig.late_silence)
         low = any(r in self.cfg.act_on for r in reasons)
         action = "flag" if low else "none"
         return Trust(round(score, 4), reasons, low, action, sig.late_silence)
+
+    def _score(self, model: TrustModel | None, sig: RequestSignals) -> float:
+        if model is None:
+            return rule_score(sig)
+        try:
+            return model.score(sig)
+        except ValueError as exc:  # a model that does not fit these answers: never a 500
+            log.error("trust model %s: %s; scoring 1 - late-layer silence", model.version, exc)
+            return rule_score(sig)
 
     def _reasons(
         self, sig: RequestSignals, score: float, level: str, is_dense: bool
@@ -117,13 +139,17 @@ def load_judge(settings: Settings, model_id: str) -> TrustJudge:
     score is 1 - late-layer silence, which predicts wrong answers no better than chance)."""
     store = TrustStore(settings.trust_dir)
     pinned = settings.trust.model_version
+    if pinned:
+        return TrustJudge(settings.trust, store.load(pinned))
     try:
-        model = store.load(pinned) if pinned else store.latest(model_id)
+        model = store.latest(model_id)
     except TrustModelNotFoundError as exc:
-        if pinned:
-            raise
         log.warning("%s; trust falls back to 1 - late-layer silence", exc)
-        model = None
-    if model is not None:
-        log.info("trust model %s (fit on %s)", model.version, model.fit_data)
-    return TrustJudge(settings.trust, model)
+        return TrustJudge(settings.trust, None)
+    per_level = {}
+    for level in LEVELS:
+        with contextlib.suppress(TrustModelNotFoundError):
+            per_level[level] = store.latest(model_id, level)
+    for level, found in per_level.items():
+        log.info("trust model for %s: %s (fit on %s)", level, found.version, found.fit_data)
+    return TrustJudge(settings.trust, model, per_level)
