@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(SG) model fetch
 	$(SG) calibrate --level all --if-missing
+	$(SG) trust fit --if-missing --n 200
 	$(SG) probe
 	$(SG) up
 

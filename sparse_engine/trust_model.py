@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import tempfile
 from collections.abc import Sequence
@@ -20,8 +21,9 @@ import torch
 from sparse_engine.trust_eval import auroc
 from sparse_engine.trust_signals import RequestSignals, SilenceBaseline, feature_names, features
 
-L2_GRID = (0.1, 0.3, 1.0, 3.0)  # penalties tried by cross-validation when none is given
+L2_GRID = (0.3, 1.0, 3.0, 10.0, 30.0)  # penalties tried by cross-validation when none is given
 FOLDS = 5
+DEFAULT_L2 = 1.0
 
 
 class TrustModelNotFoundError(LookupError):
@@ -142,8 +144,9 @@ def _probe_size(signals: Sequence[RequestSignals]) -> int:
     return sizes.pop() if sizes else 0
 
 
-def _choose_l2(x: torch.Tensor, y: torch.Tensor) -> tuple[float, dict[str, float]]:
-    """The penalty with the best mean AUROC over FOLDS interleaved folds."""
+def _choose_l2(x: torch.Tensor, y: torch.Tensor) -> tuple[float, dict[str, float] | None]:
+    """The penalty with the best mean AUROC over FOLDS interleaved folds (DEFAULT_L2 when some
+    fold lacks a right or a wrong answer: too little data to choose)."""
     folds = [torch.arange(len(y))[k::FOLDS] for k in range(FOLDS)]
     scores = {}
     for l2 in L2_GRID:
@@ -155,6 +158,8 @@ def _choose_l2(x: torch.Tensor, y: torch.Tensor) -> tuple[float, dict[str, float
             w, b = _logistic_regression((x[train] - mean) / std, y[train], l2)
             logit = (x[test] - mean) / std @ w + b
             aucs.append(auroc((-logit).tolist(), (y[test] == 0).tolist()))
+        if any(math.isnan(a) for a in aucs):
+            return DEFAULT_L2, None
         scores[str(l2)] = sum(aucs) / len(aucs)
     best = max(L2_GRID, key=lambda l2: scores[str(l2)])
     return best, scores
