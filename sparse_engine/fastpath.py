@@ -7,6 +7,7 @@ kept activations. Signals are recorded exactly as the hooks record them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.nn import functional as F
@@ -32,7 +33,8 @@ class FastDecoder:
     the last position. Not thread-safe; `reset()` starts a new sequence."""
 
     def __init__(self, lm: LoadedModel, max_len: int = 2048, sparse_rows: bool = True) -> None:
-        model, cfg = lm.model, lm.model.config
+        model: Any = lm.model
+        cfg = model.config
         if getattr(cfg, "model_type", "") not in ("llama", "mistral", "qwen2"):
             raise UnsupportedModelError(
                 f"the fast path supports Llama-family decoders, not {cfg.model_type!r}; "
@@ -90,13 +92,13 @@ class FastDecoder:
         self.length = start + n
         if recorder is not None:
             recorder.end_step()
-        return _rms(x[-1], self.norm, self.eps) @ self.head.T
+        logits: torch.Tensor = _rms(x[-1], self.norm, self.eps) @ self.head.T
+        return logits
 
     def _attention(self, i: int, layer: _Layer, h: torch.Tensor, start: int) -> torch.Tensor:
         n, hd = h.shape[0], self.head_dim
-        q, k, v = (h @ layer.qkv.T).split(
-            [self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], dim=-1
-        )
+        widths = [self.heads * hd, self.kv_heads * hd, self.kv_heads * hd]
+        q, k, v = torch.split(h @ layer.qkv.T, widths, dim=-1)
         cos, sin = self.cos[start : start + n], self.sin[start : start + n]
         q = _rope(q.view(n, self.heads, hd).transpose(0, 1), cos, sin)
         k = _rope(k.view(n, self.kv_heads, hd).transpose(0, 1), cos, sin)
@@ -137,7 +139,7 @@ class FastDecoder:
         return (a * kept) @ layer.down_rows
 
 
-def _extract(layer: torch.nn.Module) -> _Layer:
+def _extract(layer: Any) -> _Layer:
     attn, mlp = layer.self_attn, layer.mlp
     if attn.q_proj.bias is not None or mlp.down_proj.bias is not None:
         raise UnsupportedModelError("the fast path supports projections without biases")
