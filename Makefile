@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 SG := $(VENV)/bin/sparseguard
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench fmt clean tools compose-check
+.PHONY: run test lint bench fmt clean tools compose-check llama-cpp
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -48,6 +48,13 @@ bench: $(STAMP)
 	$(SG) bench quality --data wiki --tokens 8192
 	$(SG) bench gateway
 	$(SG) bench pipeline
+	$(SG) bench speed
+
+# Optional: llama.cpp's Python binding, for `bench speed`'s comparison row. It builds from
+# source (about 10 minutes on 2 cores) and no test depends on it.
+llama-cpp: $(STAMP)
+	command -v cmake >/dev/null || (apt-get update -qq && apt-get install -y -qq cmake >/dev/null)
+	$(PY) -m pip install --quiet llama-cpp-python==0.3.36
 
 fmt: $(STAMP)
 	$(VENV)/bin/ruff format .

@@ -58,6 +58,24 @@ class FastDecoder:
         self.keys = torch.zeros(shape, dtype=self.embed.dtype)
         self.values = torch.zeros(shape, dtype=self.embed.dtype)
         self.length = 0
+        self.rows_read = 0  # down-projection weight rows read by decode steps
+        self.rows_total = 0  # and the rows a dense step reads
+
+    @property
+    def down_read_share(self) -> float:
+        return self.rows_read / self.rows_total if self.rows_total else 1.0
+
+    def weight_bytes(self, down_share: float = 1.0) -> float:
+        """Weight bytes one decode step reads, with `down_share` of the down rows."""
+        per_layer = sum(
+            t.numel() * t.element_size()
+            for layer in self.layers
+            for t in (layer.qkv, layer.o, layer.gate_up)
+        )
+        down = sum(
+            layer.down_rows.numel() * layer.down_rows.element_size() for layer in self.layers
+        )
+        return float(per_layer + down * down_share + self.head.numel() * self.head.element_size())
 
     def reset(self) -> None:
         self.length = 0
@@ -128,6 +146,7 @@ class FastDecoder:
         if threshold is None:
             if recorder is not None:
                 recorder.observe_channels(i, magnitude)
+            self._count_rows(a, a.shape[-1])
             return a @ layer.down_rows
         kept = magnitude > threshold
         if recorder is not None:
@@ -135,8 +154,15 @@ class FastDecoder:
             recorder.observe_channels(i, magnitude)
         if self.sparse_rows and a.shape[0] == 1:
             index = kept[0].nonzero().squeeze(1)
+            self._count_rows(a, index.numel())
             return a[:, index] @ layer.down_rows.index_select(0, index)
+        self._count_rows(a, a.shape[-1])
         return (a * kept) @ layer.down_rows
+
+    def _count_rows(self, a: torch.Tensor, read: int) -> None:
+        if a.shape[0] == 1:
+            self.rows_read += read
+            self.rows_total += a.shape[-1]
 
 
 def _extract(layer: Any) -> _Layer:

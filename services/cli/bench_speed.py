@@ -1,0 +1,95 @@
+"""`sparseguard bench speed`: decode tokens/s at batch 1, side by side: the Hugging Face
+reference (dense), the fast path (dense and each calibrated level) and llama.cpp on the same
+GGUF when llama-cpp-python is installed; with weight bytes per token and the share of the
+measured bandwidth ceiling each reaches."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from services.cli.common import emit, emit_json, engine
+from services.config import Settings
+from sparse_engine.fastpath import FastDecoder
+from sparse_engine.models import DEFAULT_MODEL, gguf_file
+from sparse_engine.plan import SPARSE_LEVELS, Level
+from sparse_engine.speed import (
+    GB,
+    SpeedRow,
+    fast_speed,
+    llama_cpp_speed,
+    reference_speed,
+    stream_bandwidth,
+)
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def register(bench: Any) -> None:
+    s = bench.add_parser("speed", help="decode tok/s: reference, fast path, llama.cpp")
+    s.add_argument("--model")
+    s.add_argument("--new-tokens", type=int, default=64)
+    s.add_argument("--repeats", type=int, default=3)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(handler=run_speed)
+
+
+def run_speed(args: argparse.Namespace, settings: Settings) -> int:
+    if args.new_tokens < 2 or args.repeats < 1:
+        raise ValueError("--new-tokens must be at least 2 and --repeats at least 1")
+    eng = engine(settings, args.model)
+    messages = [{"role": "user", "content": PROMPT}]
+    ids = eng.encode_messages(messages)
+    decoder = FastDecoder(eng.lm, max_len=len(ids) + args.new_tokens + 1)
+    dense_bytes = decoder.weight_bytes()
+    levels = [lv for lv in SPARSE_LEVELS if lv in eng.plans]
+    rows: list[SpeedRow] = []
+    with tqdm(total=3 + len(levels), unit="run", desc="benchmarking decode") as bar:
+        bandwidth = stream_bandwidth()
+        bar.update()
+        tps = reference_speed(eng, messages, Level.DENSE, args.new_tokens, args.repeats)
+        rows.append(SpeedRow("reference", "dense", tps, dense_bytes, bandwidth))
+        bar.update()
+        for level in [Level.DENSE, *levels]:
+            tps, share = fast_speed(decoder, ids, eng, level, args.new_tokens, args.repeats)
+            rows.append(SpeedRow("fast", level.value, tps, decoder.weight_bytes(share), bandwidth))
+            bar.update()
+        if args.model is None:
+            gguf = gguf_file(DEFAULT_MODEL, settings.cache_home)
+            tps_cpp = llama_cpp_speed(str(gguf), PROMPT, args.new_tokens, torch.get_num_threads())
+            if tps_cpp is not None:
+                rows.append(SpeedRow("llama.cpp", "Q4_1", tps_cpp, gguf.stat().st_size, bandwidth))
+        bar.update()
+    _report(rows, args.json, bandwidth)
+    return 0
+
+
+def _report(rows: list[SpeedRow], as_json: bool, bandwidth: float) -> None:
+    if as_json:
+        emit_json(
+            {
+                "bandwidth_gb_per_s": bandwidth / GB,
+                "rows": [
+                    {
+                        **dataclasses.asdict(r),
+                        "ceiling_tokens_per_s": r.ceiling_tokens_per_s,
+                        "ceiling_share": r.ceiling_share,
+                    }
+                    for r in rows
+                ],
+            }
+        )
+        return
+    emit(f"matrix-vector bandwidth here: {bandwidth / GB:.1f} GB/s (float32, batch 1)")
+    emit(f"{'path':<10}{'level':<14}{'tok/s':>8}{'MB/token':>10}{'ceiling':>9}{'share':>7}")
+    for r in rows:
+        emit(
+            f"{r.path:<10}{r.level:<14}{r.tokens_per_s:>8.1f}{r.bytes_per_token / 1e6:>10.1f}"
+            f"{r.ceiling_tokens_per_s:>9.1f}{100 * r.ceiling_share:>6.0f}%"
+        )
+    if not any(r.path == "llama.cpp" for r in rows):
+        emit("llama.cpp: not installed (`make llama-cpp` builds llama-cpp-python, ~10 minutes)")
