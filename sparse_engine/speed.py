@@ -3,7 +3,11 @@ token reads, and the share of the ceiling (measured bandwidth / bytes per token)
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
@@ -80,22 +84,19 @@ def fast_speed(
     return statistics.median(runs), decoder.down_read_share
 
 
-def llama_cpp_speed(gguf: str, prompt: str, new_tokens: int, threads: int) -> float | None:
-    """Decode tokens/s of llama.cpp on the same GGUF (a run of `new_tokens` minus a run of
-    one token, both after a warm-up), or None when llama-cpp-python is not installed
-    (`make llama-cpp` builds it)."""
+def llama_cpp_speed(gguf: str, prompt: str, new_tokens: int, threads: int) -> float | str:
+    """Decode tokens/s of llama.cpp on the same GGUF, measured in a child process, or why
+    there is no figure (not installed: `make llama-cpp` builds it; or how it failed)."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return "not installed (`make llama-cpp` builds llama-cpp-python, about 10 minutes)"
+    command = [sys.executable, "-m", "sparse_engine.llama_cpp_run", gguf, prompt]
     try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None
-    llm = Llama(model_path=gguf, n_ctx=1024, n_threads=threads, verbose=False)
-
-    def run(tokens: int) -> tuple[float, int]:
-        started = time.perf_counter()
-        out = llm(prompt, max_tokens=tokens, temperature=0.0)
-        return time.perf_counter() - started, int(out["usage"]["completion_tokens"])
-
-    run(4)
-    one, _ = run(1)
-    full, produced = run(new_tokens)
-    return (produced - 1) / max(full - one, 1e-9) if produced > 1 else None
+        done = subprocess.run(
+            [*command, str(new_tokens), str(threads)], capture_output=True, text=True, timeout=600
+        )
+    except subprocess.TimeoutExpired:
+        return "did not finish within 600 s"
+    if done.returncode != 0:
+        how = f"signal {-done.returncode}" if done.returncode < 0 else f"exit {done.returncode}"
+        return f"crashed ({how}): {done.stderr.strip()[-200:] or 'no message'}"
+    return float(json.loads(done.stdout)["tokens_per_s"])

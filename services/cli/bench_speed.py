@@ -48,6 +48,7 @@ def run_speed(args: argparse.Namespace, settings: Settings) -> int:
     dense_bytes = decoder.weight_bytes()
     levels = [lv for lv in SPARSE_LEVELS if lv in eng.plans]
     rows: list[SpeedRow] = []
+    missing = "llama.cpp: compared only on the default model's GGUF"
     with tqdm(total=3 + len(levels), unit="run", desc="benchmarking decode") as bar:
         bandwidth = stream_bandwidth()
         bar.update()
@@ -60,15 +61,17 @@ def run_speed(args: argparse.Namespace, settings: Settings) -> int:
             bar.update()
         if args.model is None:
             gguf = gguf_file(DEFAULT_MODEL, settings.cache_home)
-            tps_cpp = llama_cpp_speed(str(gguf), PROMPT, args.new_tokens, torch.get_num_threads())
-            if tps_cpp is not None:
-                rows.append(SpeedRow("llama.cpp", "Q4_1", tps_cpp, gguf.stat().st_size, bandwidth))
+            cpp = llama_cpp_speed(str(gguf), PROMPT, args.new_tokens, torch.get_num_threads())
+            if isinstance(cpp, float):
+                rows.append(SpeedRow("llama.cpp", "Q4_1", cpp, gguf.stat().st_size, bandwidth))
+            else:
+                missing = f"llama.cpp: {cpp}"
         bar.update()
-    _report(rows, args.json, bandwidth)
+    _report(rows, args.json, bandwidth, missing)
     return 0
 
 
-def _report(rows: list[SpeedRow], as_json: bool, bandwidth: float) -> None:
+def _report(rows: list[SpeedRow], as_json: bool, bandwidth: float, missing: str) -> None:
     if as_json:
         emit_json(
             {
@@ -81,6 +84,7 @@ def _report(rows: list[SpeedRow], as_json: bool, bandwidth: float) -> None:
                     }
                     for r in rows
                 ],
+                "llama_cpp": None if any(r.path == "llama.cpp" for r in rows) else missing,
             }
         )
         return
@@ -92,4 +96,4 @@ def _report(rows: list[SpeedRow], as_json: bool, bandwidth: float) -> None:
             f"{r.ceiling_tokens_per_s:>9.1f}{100 * r.ceiling_share:>6.0f}%"
         )
     if not any(r.path == "llama.cpp" for r in rows):
-        emit("llama.cpp: not installed (`make llama-cpp` builds llama-cpp-python, ~10 minutes)")
+        emit(missing)
