@@ -72,6 +72,18 @@ def new_version(cal: Calibration) -> str:
     return f"{slug}-{cal.level}-{stamp}-{digest}"
 
 
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write `data` as JSON to `path` through a synced temporary file: a crash never leaves a
+    partial file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 class CalibrationStore:
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -80,13 +92,7 @@ class CalibrationStore:
         """Write `cal` under a new version; a crash never leaves a partial file."""
         if not cal.version:
             cal.version = new_version(cal)
-        self.root.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(cal.to_dict(), f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.root / f"{cal.version}.json")
+        write_json_atomic(self.root / f"{cal.version}.json", cal.to_dict())
         return cal
 
     def load(self, version: str) -> Calibration:

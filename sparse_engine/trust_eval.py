@@ -4,13 +4,13 @@ AUROC says how well a score ranks wrong answers above right ones."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from sparse_engine.engine import Engine
 from sparse_engine.plan import Level
@@ -32,7 +32,7 @@ class QARecord:
     signals: RequestSignals
 
     def to_json(self) -> str:
-        return json.dumps({**_fields(self), "signals": self.signals.to_dict()})
+        return json.dumps(dataclasses.asdict(self))
 
     @classmethod
     def from_json(cls, line: str) -> QARecord:
@@ -125,13 +125,3 @@ def _average_ranks(values: Sequence[float]) -> list[float]:
             ranks[order[k]] = (start + end) / 2 + 1
         start = end + 1
     return ranks
-
-
-def _fields(record: QARecord) -> dict[str, Any]:
-    return {
-        "index": record.index,
-        "answer": record.answer,
-        "contains": record.contains,
-        "f1": record.f1,
-        "correct": record.correct,
-    }

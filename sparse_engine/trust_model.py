@@ -8,8 +8,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -18,6 +16,7 @@ from typing import Any
 
 import torch
 
+from sparse_engine.artefacts import write_json_atomic
 from sparse_engine.trust_eval import auroc
 from sparse_engine.trust_signals import RequestSignals, SilenceBaseline, feature_names, features
 
@@ -61,14 +60,6 @@ class TrustModel:
     def _logit(self, x: torch.Tensor) -> torch.Tensor:
         z = (x.double() - torch.tensor(self.mean)) / torch.tensor(self.std)
         return z @ torch.tensor(self.weights, dtype=torch.float64) + self.bias
-
-    def contributions(self, sig: RequestSignals) -> dict[str, float]:
-        """Each feature's share of the logit, for the reasons a score gives."""
-        z = (torch.tensor(self.vector(sig), dtype=torch.float64) - torch.tensor(self.mean)) / (
-            torch.tensor(self.std)
-        )
-        terms = z * torch.tensor(self.weights, dtype=torch.float64)
-        return dict(zip(self.feature_names, terms.tolist(), strict=True))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -195,11 +186,7 @@ class TrustStore:
         model.version = (
             f"trust-{model.level}-{stamp}-{hashlib.sha256(body.encode()).hexdigest()[:8]}"
         )
-        self.root.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(model.to_dict(), f, indent=2)
-        os.replace(tmp, self.root / f"{model.version}.json")
+        write_json_atomic(self.root / f"{model.version}.json", model.to_dict())
         return model
 
     def load(self, version: str) -> TrustModel:

@@ -21,8 +21,6 @@ SILENCE_SPIKE = "silence-spike"
 GATE_DEGRADED = "gate-degraded"
 MONOTONOUS_INPUT = "monotonous-input"
 LOW_SCORE = "low-score"
-REASONS = (SILENCE_SPIKE, GATE_DEGRADED, MONOTONOUS_INPUT, LOW_SCORE)
-ACTIONS = ("none", "flag", "retrieve", "simplify")
 LEVELS = tuple(level.value for level in Level)
 
 
@@ -35,10 +33,6 @@ class Trust:
     late_silence: float = 0.0
     first_score: float | None = None  # the first answer's score, when it was regenerated
     passages: int = 0  # knowledge-base passages the regenerated prompt carried
-
-    @property
-    def spike(self) -> bool:
-        return SILENCE_SPIKE in self.reasons
 
     def header(self) -> str:
         """`X-IR-Trust`: `0.412; action=retrieve; reasons=silence-spike,low-score; first=0.21`."""
