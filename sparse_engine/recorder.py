@@ -52,6 +52,7 @@ class SignalRecorder:
         self.step_sparsity: list[float] = []
         self.steps = 0
         self._step_start = (0.0, 0.0)
+        self._blocks: list[torch.Tensor | None] = [None, None]  # see observe_layers
 
     def track_positions(self, num_positions: int) -> None:
         """Also count zeros per position, for one forward pass over a whole sequence."""
@@ -98,6 +99,22 @@ class SignalRecorder:
         if layer == 0:
             self.silence_tokens += flat.shape[0]
 
+    def observe_layers(self, counts: LayerCounts, channels: torch.Tensor, positions: int) -> None:
+        """Record one forward step of every layer at once: the bulk form of
+        `observe_sparsified` and `observe_channels` for a decoder that sums per layer itself.
+        `channels` (layers, width) holds each layer's |down-projection input| summed over the
+        step's `positions`."""
+        if self.token_zeros is not None or self.answer_start is not None:
+            raise ValueError("per-position and teacher-forced signals need the hooks")
+        for name in ("zeros", "numel", "kept_share_sum", "kept_share_tokens"):
+            getattr(self, name).add_(torch.as_tensor(getattr(counts, name), dtype=torch.float64))
+        channels = channels.to(torch.float64)
+        self._blocks[0] = _add_rows(self.magnitude, channels, self._blocks[0])
+        if self.steps:
+            self._blocks[1] = _add_rows(self.answer_magnitude, channels, self._blocks[1])
+            self.answer_tokens += positions
+        self.silence_tokens += positions
+
     def summary(self) -> SignalSummary:
         per_layer = [
             signals.zeroed_fraction(float(z), float(n))
@@ -139,5 +156,43 @@ class SignalRecorder:
         return sum(values) / len(values) if values else 0.0
 
 
+@dataclass(slots=True)
+class LayerCounts:
+    """Per-layer sums over one step's sparsified tensors, as `observe_sparsified` keeps them:
+    zeroed and total activations, and the kept-magnitude share summed over tokens."""
+
+    zeros: list[float] | torch.Tensor
+    numel: list[float] | torch.Tensor
+    kept_share_sum: list[float] | torch.Tensor
+    kept_share_tokens: list[float] | torch.Tensor
+
+    @classmethod
+    def empty(cls, num_layers: int) -> LayerCounts:
+        return cls(*([0.0] * num_layers for _ in range(4)))
+
+    def add(self, layer: int, numel: int, kept: int, share_sum: float, tokens: int) -> None:
+        """A sparsified tensor of `numel` activations over `tokens` tokens, `kept` of them
+        kept, whose per-token kept-magnitude shares sum to `share_sum`."""
+        self.zeros[layer] += numel - kept
+        self.numel[layer] += numel
+        self.kept_share_sum[layer] += share_sum
+        self.kept_share_tokens[layer] += tokens
+
+
 def _add(total: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
-    return value if total is None else total + value
+    return value if total is None else total.add_(value)
+
+
+def _add_rows(
+    totals: list[torch.Tensor | None], block: torch.Tensor, rows_of: torch.Tensor | None
+) -> torch.Tensor:
+    """totals[i] += block[i] for every layer. The first call makes the totals rows of one new
+    block (returned; pass it back as `rows_of`), so later steps add in one operation."""
+    if rows_of is not None:
+        return rows_of.add_(block)
+    rows_of = block.clone()
+    for i, row in enumerate(rows_of.unbind(0)):
+        if totals[i] is not None:
+            row.add_(totals[i])
+        totals[i] = row
+    return rows_of

@@ -1,0 +1,99 @@
+"""The compiled sparse decode kernels (`rows_matvec.cpp`), built with PyTorch's C++ extension
+tooling into `<cache>/kernels` by `sparseguard kernels build` (the install runs it) or on
+first use, with a pure-PyTorch fallback where no compiler is available. The module holds
+`rows_matvec`, below, and `Layers`, every decoder layer of one token in one call.
+
+`rows_matvec(x, w, scale, threshold, begin, end)` -> (y, rows read, sum |x| over them, sum |x|):
+y = sum of x_i * w[i, begin:end] over the rows whose |x_i| > threshold (every row when
+threshold < 0); w is input-major (in, out), float32, bfloat16, or int8 with one float32 scale
+per row."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("rows_matvec.cpp")
+_lock = threading.Lock()
+_loaded: dict[str, Any] = {}
+
+
+class KernelUnavailableError(RuntimeError):
+    pass
+
+
+Result = tuple[torch.Tensor, int, float, float]
+
+
+class RowsMatvec(Protocol):
+    def __call__(
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        scale: torch.Tensor | None,
+        threshold: float,
+        begin: int = 0,
+        end: int = -1,
+    ) -> Result: ...
+
+
+def build(cache_home: Path, verbose: bool = False) -> Any:
+    """Compile (or load the cached build of) the extension; raise KernelUnavailableError with
+    the reason when it cannot be built."""
+    with _lock:
+        if "module" in _loaded:
+            return _loaded["module"]
+        from torch.utils import cpp_extension
+
+        directory = cache_home / "kernels"
+        directory.mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
+        try:
+            module = cpp_extension.load(
+                name="sparseguard_rows",
+                sources=[str(SOURCE)],
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                verbose=verbose,
+            )
+        except (RuntimeError, OSError, ImportError) as exc:
+            raise KernelUnavailableError(f"could not build the sparse kernel: {exc}") from exc
+        _loaded["module"] = module
+        return module
+
+
+def torch_rows_matvec(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor | None,
+    threshold: float,
+    begin: int = 0,
+    end: int = -1,
+) -> Result:
+    """The pure-PyTorch fallback: gathers the kept rows (a copy) and multiplies."""
+    coef = x * scale if scale is not None else x
+    columns = w[:, begin : end if end >= 0 else w.shape[1]]
+    magnitude = x.abs()
+    total = float(magnitude.sum())
+    if threshold < 0:
+        return coef @ columns.to(torch.float32), x.shape[0], total, total
+    index = (magnitude > threshold).nonzero().squeeze(1)
+    y = coef[index] @ columns.index_select(0, index).to(torch.float32)
+    return y, index.numel(), float(magnitude[index].sum()), total
+
+
+def load(cache_home: Path) -> Any | None:
+    """The compiled module when it builds (into `cache_home`), else None, with the reason
+    logged: callers then use the PyTorch fallback."""
+    try:
+        return build(cache_home)
+    except KernelUnavailableError as exc:
+        log.warning("%s; using the pure-PyTorch fallback", exc)
+        return None

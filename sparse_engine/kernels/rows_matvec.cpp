@@ -1,0 +1,337 @@
+// Sparse matrix-vector products for batch-1 decoding (TEAL's idea on the CPU): with the weight
+// stored input-major, W (in, out), y = sum_i x_i * W[i, :] over the inputs whose magnitude
+// passes the threshold, and only those rows are read. A negative threshold keeps every row,
+// which is a dense product with the same kernel. Weights are float32, bfloat16 or int8 with one
+// scale per row; activations and accumulation are float32. Threads split the output columns,
+// so each reads its own slice of every kept row and no reduction is needed. A column range
+// [begin, end) multiplies one part of a fused matrix (q of a fused q/k/v, say).
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+
+#if defined(__AVX512F__)
+// 16 weights as float32: plain, widened bfloat16 (its bits are a float32's top half), int8.
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const uint16_t* p, __mmask16 m) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m512 load16(const int8_t* p, __mmask16 m) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+}
+
+constexpr int64_t kAhead = 8;
+
+// y[begin:end] = sum_k coef[k] * w[rows[k], begin:end], four rows per pass over y.
+template <typename T>
+void accumulate(const T* w, int64_t out, const int64_t* rows, const float* coef, int64_t n,
+                int64_t begin, int64_t end, float* y) {
+  for (int64_t j = begin; j < end; ++j) y[j] = 0.0f;
+  const T* zero_row = nullptr;
+  for (int64_t k = 0; k < n; k += 4) {
+    const T* r[4];
+    __m512 c[4];
+    for (int u = 0; u < 4; ++u) {
+      const bool real = k + u < n;
+      r[u] = real ? w + rows[k + u] * out : zero_row;
+      c[u] = _mm512_set1_ps(real ? coef[k + u] : 0.0f);
+    }
+    const int live = static_cast<int>(std::min<int64_t>(4, n - k));
+    // The rows kAhead ahead start coming in while these are summed.
+    const T* ahead[4];
+    for (int u = 0; u < 4; ++u) ahead[u] = w + rows[std::min(k + kAhead + u, n - 1)] * out;
+    for (int64_t j = begin; j < end; j += 16) {
+      const __mmask16 m = end - j >= 16 ? 0xFFFF : (__mmask16)((1u << (end - j)) - 1);
+      for (int u = 0; u < 4; ++u) _mm_prefetch(reinterpret_cast<const char*>(ahead[u] + j), _MM_HINT_T0);
+      __m512 acc = _mm512_maskz_loadu_ps(m, y + j);
+      for (int u = 0; u < live; ++u) acc = _mm512_fmadd_ps(c[u], load16(r[u] + j, m), acc);
+      _mm512_mask_storeu_ps(y + j, m, acc);
+    }
+  }
+}
+#else
+inline float load(const float* p, int64_t j) { return p[j]; }
+inline float load(const int8_t* p, int64_t j) { return static_cast<float>(p[j]); }
+inline float load(const uint16_t* p, int64_t j) {
+  uint32_t bits = static_cast<uint32_t>(p[j]) << 16;
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
+// y[begin:end] = sum_k coef[k] * w[rows[k], begin:end], one row at a time.
+template <typename T>
+void accumulate(const T* w, int64_t out, const int64_t* rows, const float* coef, int64_t n,
+                int64_t begin, int64_t end, float* y) {
+  for (int64_t j = begin; j < end; ++j) y[j] = 0.0f;
+  for (int64_t k = 0; k < n; ++k) {
+    const T* r = w + rows[k] * out;
+    const float c = coef[k];
+    for (int64_t j = begin; j < end; ++j) y[j] += c * load(r, j);
+  }
+}
+#endif
+
+// y[0:end-begin] = columns [begin, end) of the product. Threads take contiguous runs of the
+// kept rows, so each streams its part of the matrix front to back, into its own partial sum;
+// the partial sums are added at the end (a few kilobytes against megabytes of weights).
+template <typename T>
+void run(const T* w, int64_t out, int64_t begin, int64_t end, const std::vector<int64_t>& rows,
+         const std::vector<float>& coef, float* y) {
+  const int64_t n = static_cast<int64_t>(rows.size()), cols = end - begin;
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / 16));
+  std::vector<float> partial(parts * cols);
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t k0 = n * p / parts, k1 = n * (p + 1) / parts;
+      accumulate(w + begin, out, rows.data() + k0, coef.data() + k0, k1 - k0, 0, cols,
+                 partial.data() + p * cols);
+    }
+  });
+  std::copy(partial.begin(), partial.begin() + cols, y);
+  for (int64_t p = 1; p < parts; ++p) {
+    const float* q = partial.data() + p * cols;
+    for (int64_t j = 0; j < cols; ++j) y[j] += q[j];
+  }
+}
+
+struct Stats {
+  int64_t kept;
+  double kept_abs, total_abs;
+};
+
+// A projection stored input-major (in, out), with one scale per row for int8 weights.
+struct Matrix {
+  torch::Tensor w;
+  c10::optional<torch::Tensor> scale;
+
+  Matrix(torch::Tensor weights, c10::optional<torch::Tensor> scales)
+      : w(std::move(weights)), scale(std::move(scales)) {
+    TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "weights must be a contiguous (in, out) matrix");
+    const auto type = w.scalar_type();
+    TORCH_CHECK(type == torch::kFloat32 || type == torch::kBFloat16 || type == torch::kInt8,
+                "weights must be float32, bfloat16 or int8, not ", type);
+    if (type == torch::kInt8) {
+      TORCH_CHECK(scale.has_value() && scale->scalar_type() == torch::kFloat32 &&
+                      scale->is_contiguous() && scale->numel() == w.size(0),
+                  "int8 weights need a contiguous float32 scale per row");
+    }
+  }
+
+  // y[0:end-begin] = columns [begin, end) of sum_i x_i * w[i] over |x_i| > threshold (every
+  // row when threshold < 0).
+  Stats product(const float* x, double threshold, int64_t begin, int64_t end, float* y) const {
+    const int64_t in = w.size(0), out = w.size(1);
+    const float* s = w.scalar_type() == torch::kInt8 ? scale->data_ptr<float>() : nullptr;
+    std::vector<int64_t> rows;
+    std::vector<float> coef;
+    rows.reserve(in);
+    coef.reserve(in);
+    const float limit = static_cast<float>(threshold);
+    Stats stats{0, 0.0, 0.0};
+    for (int64_t i = 0; i < in; ++i) {
+      const float magnitude = std::abs(x[i]);
+      stats.total_abs += magnitude;
+      if (threshold < 0 || magnitude > limit) {
+        rows.push_back(i);
+        coef.push_back(s ? x[i] * s[i] : x[i]);
+        stats.kept_abs += magnitude;
+      }
+    }
+    stats.kept = static_cast<int64_t>(rows.size());
+    switch (w.scalar_type()) {
+      case torch::kFloat32:
+        run(w.data_ptr<float>(), out, begin, end, rows, coef, y);
+        break;
+      case torch::kBFloat16:
+        run(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), out, begin, end, rows,
+            coef, y);
+        break;
+      default:
+        run(w.data_ptr<int8_t>(), out, begin, end, rows, coef, y);
+    }
+    return stats;
+  }
+};
+
+// Returns (y, rows read, sum of |x| over the rows read, sum of |x|): the last three are what the
+// per-request signals need. `scale` (in,) is required for int8 weights, ignored otherwise.
+std::tuple<torch::Tensor, int64_t, double, double> rows_matvec(
+    const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& scale,
+    double threshold, int64_t begin, int64_t end) {
+  TORCH_CHECK(x.dim() == 1 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "x must be a contiguous 1-D float32 tensor");
+  const Matrix m(w, w.scalar_type() == torch::kInt8 ? scale : c10::nullopt);
+  TORCH_CHECK(w.size(0) == x.size(0), "w must have one row per element of x");
+  if (end < 0) end = w.size(1);
+  TORCH_CHECK(0 <= begin && begin < end && end <= w.size(1), "column range outside the matrix");
+  auto y = torch::empty({end - begin}, x.options());
+  const Stats st = m.product(x.data_ptr<float>(), threshold, begin, end, y.data_ptr<float>());
+  return {y, st.kept, st.kept_abs, st.total_abs};
+}
+
+void rms_norm(const float* x, const float* weight, int64_t n, double eps, float* out) {
+  double squares = 0.0;
+  for (int64_t i = 0; i < n; ++i) squares += static_cast<double>(x[i]) * x[i];
+  const float r = static_cast<float>(1.0 / std::sqrt(squares / n + eps));
+  for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (x[i] * r);
+}
+
+// Rotary embedding in Hugging Face's rotate-half form, in place on one head.
+void rope(float* v, const float* cos, const float* sin, int64_t dim) {
+  const int64_t half = dim / 2;
+  for (int64_t j = 0; j < half; ++j) {
+    const float a = v[j], b = v[j + half];
+    v[j] = a * cos[j] - b * sin[j];
+    v[j + half] = b * cos[j + half] + a * sin[j + half];
+  }
+}
+
+// Roles, in the order of a layer's thresholds and statistics.
+enum Role { kQ, kK, kV, kO, kGate, kUp, kDown, kRoles };
+
+// The decoder layers at batch 1: one call runs every layer for one token.
+class Layers {
+ public:
+  Layers(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps) {}
+
+  void add(torch::Tensor attn_norm, torch::Tensor mlp_norm, std::vector<Matrix> mats) {
+    TORCH_CHECK(mats.size() == 4, "a layer has four matrices: qkv, o, gate_up, down");
+    norms_.push_back({attn_norm.contiguous(), mlp_norm.contiguous()});
+    mats_.push_back(std::move(mats));
+  }
+
+  // x (hidden,): the token's embedding, replaced by the last layer's output. keys, values
+  // (layers, kv_heads, max_len, head_dim): the cache, written at `pos`. cos, sin (head_dim,):
+  // the rotary table at `pos`. thresholds (layers, 7) float64, negative = dense. channels
+  // (layers, intermediate): |down input| out. stats (layers, 7, 3) float64: rows kept, their
+  // |x| sum and the |x| sum of each role's input, out.
+  void step(torch::Tensor x, torch::Tensor keys, torch::Tensor values, const torch::Tensor& cos,
+            const torch::Tensor& sin, int64_t pos, const torch::Tensor& thresholds,
+            torch::Tensor channels, torch::Tensor stats) {
+    const int64_t layers = static_cast<int64_t>(mats_.size());
+    const int64_t hidden = x.numel(), inter = channels.size(1), max_len = keys.size(2);
+    const int64_t q_width = heads_ * head_dim_, kv_width = kv_heads_ * head_dim_;
+    TORCH_CHECK(pos < max_len, "the cache is full");
+    TORCH_CHECK(thresholds.scalar_type() == torch::kFloat64 && stats.scalar_type() == torch::kFloat64,
+                "thresholds and stats are float64");
+    std::vector<float> h(hidden), qkv(q_width + 2 * kv_width), att(q_width), y(hidden);
+    std::vector<float> gate_up(2 * inter), a(inter);
+    float* xs = x.data_ptr<float>();
+    const double* limits = thresholds.data_ptr<double>();
+    double* st = stats.data_ptr<double>();
+    for (int64_t l = 0; l < layers; ++l) {
+      const auto& m = mats_[l];
+      const double* t = limits + l * kRoles;
+      double* s = st + l * kRoles * 3;
+      auto record = [&](int role, const Stats& got) {
+        s[role * 3] = static_cast<double>(got.kept);
+        s[role * 3 + 1] = got.kept_abs;
+        s[role * 3 + 2] = got.total_abs;
+      };
+      rms_norm(xs, norms_[l][0].data_ptr<float>(), hidden, eps_, h.data());
+      if (t[kQ] == t[kK] && t[kK] == t[kV]) {
+        const Stats got = m[0].product(h.data(), t[kQ], 0, q_width + 2 * kv_width, qkv.data());
+        record(kQ, got), record(kK, got), record(kV, got);
+      } else {
+        record(kQ, m[0].product(h.data(), t[kQ], 0, q_width, qkv.data()));
+        record(kK, m[0].product(h.data(), t[kK], q_width, q_width + kv_width, qkv.data() + q_width));
+        record(kV, m[0].product(h.data(), t[kV], q_width + kv_width, q_width + 2 * kv_width,
+                                qkv.data() + q_width + kv_width));
+      }
+      attend(qkv.data(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+             keys.data_ptr<float>() + l * kv_heads_ * max_len * head_dim_,
+             values.data_ptr<float>() + l * kv_heads_ * max_len * head_dim_, max_len, pos, att.data());
+      record(kO, m[1].product(att.data(), t[kO], 0, hidden, y.data()));
+      for (int64_t i = 0; i < hidden; ++i) xs[i] += y[i];
+      rms_norm(xs, norms_[l][1].data_ptr<float>(), hidden, eps_, h.data());
+      if (t[kGate] == t[kUp]) {
+        const Stats got = m[2].product(h.data(), t[kGate], 0, 2 * inter, gate_up.data());
+        record(kGate, got), record(kUp, got);
+      } else {
+        record(kGate, m[2].product(h.data(), t[kGate], 0, inter, gate_up.data()));
+        record(kUp, m[2].product(h.data(), t[kUp], inter, 2 * inter, gate_up.data() + inter));
+      }
+      float* ch = channels.data_ptr<float>() + l * inter;
+      for (int64_t j = 0; j < inter; ++j) {
+        const float g = gate_up[j];
+        a[j] = g / (1.0f + std::exp(-g)) * gate_up[inter + j];
+        ch[j] = std::abs(a[j]);
+      }
+      record(kDown, m[3].product(a.data(), t[kDown], 0, hidden, y.data()));
+      for (int64_t i = 0; i < hidden; ++i) xs[i] += y[i];
+    }
+  }
+
+ private:
+  // One query against the cache: rotate q and k, store k and v at `pos`, softmax-weighted sum
+  // of the values of positions 0..pos, for each head (grouped-query heads share a kv head).
+  void attend(float* qkv, const float* cos, const float* sin, float* keys, float* values,
+              int64_t max_len, int64_t pos, float* out) const {
+    const int64_t d = head_dim_, group = heads_ / kv_heads_;
+    float* q = qkv;
+    const float* k = qkv + heads_ * d;
+    const float* v = k + kv_heads_ * d;
+    for (int64_t g = 0; g < kv_heads_; ++g) {
+      float* key = keys + (g * max_len + pos) * d;
+      std::copy(k + g * d, k + (g + 1) * d, key);
+      rope(key, cos, sin, d);
+      std::copy(v + g * d, v + (g + 1) * d, values + (g * max_len + pos) * d);
+    }
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    at::parallel_for(0, heads_, pos < 256 ? heads_ : 1, [&](int64_t h0, int64_t h1) {
+      std::vector<float> scores(pos + 1);
+      for (int64_t head = h0; head < h1; ++head) {
+        float* qh = q + head * d;
+        rope(qh, cos, sin, d);
+        const float* kh = keys + (head / group) * max_len * d;
+        const float* vh = values + (head / group) * max_len * d;
+        float top = -INFINITY;
+        for (int64_t t = 0; t <= pos; ++t) {
+          float dot = 0.0f;
+          for (int64_t j = 0; j < d; ++j) dot += qh[j] * kh[t * d + j];
+          scores[t] = dot * scale;
+          top = std::max(top, scores[t]);
+        }
+        double total = 0.0;
+        for (int64_t t = 0; t <= pos; ++t) total += scores[t] = std::exp(scores[t] - top);
+        float* oh = out + head * d;
+        std::fill(oh, oh + d, 0.0f);
+        for (int64_t t = 0; t <= pos; ++t) {
+          const float p = static_cast<float>(scores[t] / total);
+          for (int64_t j = 0; j < d; ++j) oh[j] += p * vh[t * d + j];
+        }
+      }
+    });
+  }
+
+  int64_t heads_, kv_heads_, head_dim_;
+  double eps_;
+  std::vector<std::array<torch::Tensor, 2>> norms_;
+  std::vector<std::vector<Matrix>> mats_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<Matrix>(m, "Matrix")
+      .def(pybind11::init<torch::Tensor, c10::optional<torch::Tensor>>());
+  pybind11::class_<Layers>(m, "Layers")
+      .def(pybind11::init<int64_t, int64_t, int64_t, double>())
+      .def("add", &Layers::add)
+      .def("step", &Layers::step);
+  m.def("rows_matvec", &rows_matvec, "y = sum of x_i * w[i] over |x_i| > threshold",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scale"),
+        pybind11::arg("threshold"), pybind11::arg("begin") = 0, pybind11::arg("end") = -1);
+}
