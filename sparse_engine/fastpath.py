@@ -239,14 +239,14 @@ class FastDecoder:
     ) -> torch.Tensor:
         """x (n, in) through the fused matrix, each part at its role's threshold."""
         width = x.shape[-1]
-        if len({limits.get(role) for role, _, _ in m.parts}) == 1:
-            groups = [(limits.get(m.parts[0][0]), 0, m.parts[-1][2])]
+        if len({limits.get(role) for role, _, _ in m.parts}) == 1:  # one product for all parts
+            groups = [(limits.get(m.parts[0][0]), 0, m.parts[-1][2], len(m.parts))]
         else:
-            groups = [(limits.get(role), begin, end) for role, begin, end in m.parts]
+            groups = [(limits.get(role), begin, end, 1) for role, begin, end in m.parts]
         if x.shape[0] > 1:
             return self._project_many(i, m, x, groups, counts)
         outputs = []
-        for limit, begin, end in groups:
+        for limit, begin, end, parts in groups:
             y, kept, kept_abs, total_abs = self.kernel(
                 x[0], m.rows, m.scale, -1.0 if limit is None else limit, begin, end
             )
@@ -255,7 +255,9 @@ class FastDecoder:
                 self.weights_read += kept * (end - begin)
                 self.weights_total += width * (end - begin)
             if limit is not None and counts is not None:
-                counts.add(i, width, kept, kept_abs / total_abs if total_abs > 0 else 1.0, 1)
+                share = kept_abs / total_abs if total_abs > 0 else 1.0
+                for _ in range(parts):  # the hooks see each part's input on its own
+                    counts.add(i, width, kept, share, 1)
         return (outputs[0] if len(outputs) == 1 else torch.cat(outputs))[None]
 
     def _project_many(
@@ -263,13 +265,13 @@ class FastDecoder:
         i: int,
         m: _Matrix,
         x: torch.Tensor,
-        groups: list[tuple[float | None, int, int]],
+        groups: list[tuple[float | None, int, int, int]],
         counts: LayerCounts | None,
     ) -> torch.Tensor:
         """A prefill: the masked dense product, as the hooks compute it."""
         rows = m.float_rows()
         outputs = []
-        for limit, begin, end in groups:
+        for limit, begin, end, parts in groups:
             if limit is None:
                 outputs.append(x @ rows[:, begin:end])
                 continue
@@ -278,7 +280,8 @@ class FastDecoder:
             outputs.append((x * kept) @ rows[:, begin:end])
             if counts is not None:
                 share = float(signals.kept_magnitude_share(magnitude, kept).sum())
-                counts.add(i, x.numel(), int(kept.sum()), share, x.shape[0])
+                for _ in range(parts):
+                    counts.add(i, x.numel(), int(kept.sum()), share, x.shape[0])
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 
     def _attention(self, i: int, qkv: torch.Tensor, start: int) -> torch.Tensor:

@@ -67,7 +67,7 @@ def fast_speed(
     decoder: FastDecoder, prompt_ids: list[int], engine: Engine, level: Level, new_tokens: int,
     repeats: int,
 ) -> tuple[float, float]:  # fmt: skip
-    """Median decode tokens/s of the fast path (greedy) and the share of down rows read."""
+    """Median decode tokens/s of the fast path (greedy) and the share of weights read."""
     plan = engine.plan(level)
 
     def once() -> float:
@@ -79,9 +79,9 @@ def fast_speed(
         return (new_tokens - 1) / (time.perf_counter() - started)
 
     once()  # warm-up
-    decoder.rows_read = decoder.rows_total = 0
+    decoder.weights_read = decoder.weights_total = 0.0
     runs = [once() for _ in range(repeats)]
-    return statistics.median(runs), decoder.down_read_share
+    return statistics.median(runs), decoder.read_share
 
 
 def llama_cpp_speed(gguf: str, prompt: str, new_tokens: int, threads: int) -> float | str:

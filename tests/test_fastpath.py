@@ -1,64 +1,132 @@
-"""The lean decode path against the Hugging Face reference (tiny Llama): the same logits in
-dense mode, the same as the masked reference at the same thresholds in sparse mode, and the
-same signals as the hooks record."""
+"""The lean decode path against the Hugging Face reference (tiny Llama), with the compiled
+kernels and with the PyTorch fallback: the same logits in dense mode, the same as the masked
+reference at the same thresholds in sparse mode (down only, and every projection), and the same
+signals as the hooks record."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from pathlib import Path
+from typing import Any
+
+from sparse_engine import kernels
+from sparse_engine.allocation import thresholds_for, uniform_targets
 from sparse_engine.arch import UnsupportedModelError
-from sparse_engine.fastpath import FastDecoder
+from sparse_engine.engine import Engine
+from sparse_engine.fastpath import ROLES, FastDecoder
 from sparse_engine.hooks import sparsified
-from sparse_engine.plan import Level
+from sparse_engine.plan import Level, SparsityPlan
 from sparse_engine.recorder import SignalRecorder
 from sparse_engine.speed import SpeedRow, fast_speed, stream_bandwidth
-from tests.tiny import tiny_engine, tiny_model
+from sparse_engine.stats_collect import collect_stats
+from tests.tiny import sample_texts, tiny_engine, tiny_model
 
 TEXT = "Once upon a time there was a little robot who"
 
 
-def _reference(level: Level) -> tuple[torch.Tensor, SignalRecorder]:
-    engine = tiny_engine(cache=False)
+@pytest.fixture(scope="module")
+def native(home: Path) -> Any:
+    module = kernels.load(home)
+    assert module is not None, "the compiled kernels did not build: see the warning logged"
+    return module
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return tiny_engine(cache=False)
+
+
+def _every_role(engine: Engine, target: float) -> SparsityPlan:
+    """Thresholds on every projection's input at about `target` sparsity each; k and gate a
+    little apart from q/v and up, so that fused matrices run part by part."""
+    lm = engine.lm
+    batches = [torch.tensor([lm.tokenizer(t)["input_ids"][:96]]) for t in sample_texts(4)]
+    stats = collect_stats(lm.model, lm.layers, batches, ROLES)
+    thresholds = thresholds_for(stats, uniform_targets(stats, ROLES, target))
+    for role, factor in (("k", 1.2), ("gate", 0.8)):
+        thresholds[role] = tuple(t * factor for t in thresholds[role])
+    return SparsityPlan(Level.BALANCED, thresholds)
+
+
+def _reference(engine: Engine, plan: SparsityPlan) -> tuple[torch.Tensor, SignalRecorder]:
     ids = engine.encode_text(TEXT)
     recorder = SignalRecorder(engine.lm.num_layers)
-    with torch.inference_mode(), sparsified(engine.lm.layers, engine.plan(level), recorder):
+    with torch.inference_mode(), sparsified(engine.lm.layers, plan, recorder):
         recorder.begin_step()
         logits = engine.lm.model(input_ids=torch.tensor([ids])).logits[0]
         recorder.end_step()
     return logits, recorder
 
 
-def _fast(level: Level, sparse_rows: bool) -> tuple[torch.Tensor, SignalRecorder]:
-    engine = tiny_engine(cache=False)
+def _fast(
+    engine: Engine, plan: SparsityPlan, native: Any, dtype: str = "float32"
+) -> tuple[torch.Tensor, SignalRecorder, FastDecoder]:
     ids = engine.encode_text(TEXT)
-    decoder = FastDecoder(engine.lm, max_len=64, sparse_rows=sparse_rows)
+    decoder = FastDecoder(engine.lm, max_len=64, dtype=dtype, native=native)
     recorder = SignalRecorder(engine.lm.num_layers)
-    plan = engine.plan(level)
     rows = [decoder.prefill(ids[:5], plan, recorder)]
     rows += [decoder.step(token, plan, recorder) for token in ids[5:]]
-    return torch.stack(rows), recorder
+    return torch.stack(rows), recorder, decoder
 
 
-@pytest.mark.parametrize("level", [Level.DENSE, Level.BALANCED, Level.AGGRESSIVE])
-@pytest.mark.parametrize("sparse_rows", [True, False])
+@pytest.mark.parametrize("level", [Level.DENSE, Level.BALANCED, Level.AGGRESSIVE, None])
+@pytest.mark.parametrize("compiled", [True, False])
 def test_fast_path_matches_the_reference_logits_and_signals(
-    level: Level, sparse_rows: bool
+    engine: Engine, native: Any, level: Level | None, compiled: bool
 ) -> None:
-    reference, expected = _reference(level)
-    fast, recorded = _fast(level, sparse_rows)
-    torch.testing.assert_close(fast, reference[4:], atol=1e-5, rtol=1e-5)
+    """level None: thresholds on all seven projections (q, k and v apart), 40 % each."""
+    plan = engine.plan(level) if level is not None else _every_role(engine, 0.4)
+    reference, expected = _reference(engine, plan)
+    fast, recorded, decoder = _fast(engine, plan, native if compiled else None)
+    torch.testing.assert_close(fast, reference[4:], atol=1e-4, rtol=1e-4)
     assert fast.argmax(-1).tolist() == reference[4:].argmax(-1).tolist()
     want, got = expected.summary(), recorded.summary()
-    assert got.sparsity_per_layer == pytest.approx(want.sparsity_per_layer, abs=1e-9)
+    # Attention computed one query at a time differs from the full pass in the last bits, so
+    # a few o-projection inputs that sit on their threshold fall the other way.
+    same = 1e-9 if level is not None else 5e-3
+    assert got.sparsity_per_layer == pytest.approx(want.sparsity_per_layer, abs=same)
     assert got.silence_rate_per_layer == pytest.approx(want.silence_rate_per_layer)
-    assert got.gate_confidence == pytest.approx(want.gate_confidence, abs=1e-6)
-    if level is not Level.DENSE:
+    assert got.gate_confidence == pytest.approx(want.gate_confidence, abs=max(same, 1e-6))
+    assert got.gate_entropy == pytest.approx(want.gate_entropy, abs=1e-6)
+    if level is Level.DENSE:
+        assert decoder.read_share == 1.0
+    else:
         assert got.sparsity_ratio > 0.3
+        assert decoder.read_share < (0.75 if level is None else 1.0)
 
 
-def test_fast_path_refuses_what_it_cannot_run() -> None:
-    engine = tiny_engine(cache=False)
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_narrow_weights_agree_between_kernel_and_fallback(
+    engine: Engine, native: Any, dtype: str
+) -> None:
+    """bfloat16 and int8 weights: the compiled kernel equals the PyTorch fallback on the same
+    weights, and stays near the float32 reference."""
+    plan = engine.plan(Level.BALANCED)
+    compiled, _, small = _fast(engine, plan, native, dtype)
+    fallback, _, _ = _fast(engine, plan, None, dtype)
+    torch.testing.assert_close(compiled, fallback, atol=1e-4, rtol=1e-4)
+    full, _, wide = _fast(engine, plan, native)
+    assert (compiled - full).abs().max() < 0.05 * full.abs().max()
+    assert small.weight_bytes() < 0.6 * wide.weight_bytes()
+
+
+def test_the_kernel_reads_only_the_kept_rows(native: Any) -> None:
+    torch.manual_seed(0)
+    x, w = torch.randn(64), torch.randn(64, 40)
+    kept = x.abs() > 0.8
+    y, rows, kept_abs, total_abs = native.rows_matvec(x, w, None, 0.8, 8, 24)
+    torch.testing.assert_close(y, (x * kept) @ w[:, 8:24], atol=1e-5, rtol=1e-5)
+    assert rows == int(kept.sum()) and total_abs == pytest.approx(float(x.abs().sum()), rel=1e-6)
+    assert kept_abs == pytest.approx(float(x.abs()[kept].sum()), rel=1e-6)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or int8"):
+        native.rows_matvec(x, w.double(), None, 0.8)
+    with pytest.raises(RuntimeError, match="scale per row"):
+        native.rows_matvec(x, w.to(torch.int8), None, 0.8)
+
+
+def test_fast_path_refuses_what_it_cannot_run(engine: Engine) -> None:
     decoder = FastDecoder(engine.lm, max_len=8)
     with pytest.raises(ValueError, match="exceed the fast path's 8 tokens"):
         decoder.prefill(list(range(9)), engine.plan(Level.DENSE))
@@ -66,16 +134,18 @@ def test_fast_path_refuses_what_it_cannot_run() -> None:
         FastDecoder(tiny_model("gpt2"))
 
 
-def test_speed_rows_count_the_weight_bytes_a_token_reads() -> None:
-    engine = tiny_engine(cache=False)
-    decoder = FastDecoder(engine.lm, max_len=64)
+def test_speed_rows_count_the_weight_bytes_a_token_reads(engine: Engine, native: Any) -> None:
+    decoder = FastDecoder(engine.lm, max_len=64, native=native)
     ids = engine.encode_text(TEXT)
     dense_tps, dense_share = fast_speed(decoder, ids, engine, Level.DENSE, 4, 1)
     sparse_tps, sparse_share = fast_speed(decoder, ids, engine, Level.AGGRESSIVE, 4, 1)
-    assert dense_share == 1.0 and 0.0 < sparse_share < 0.5  # aggressive: 70 % zeroed
-    assert decoder.weight_bytes(sparse_share) < decoder.weight_bytes()
+    down = sum(layer.down.nbytes for layer in decoder.layers)
+    projections = decoder.weight_bytes() - decoder.weight_bytes(0.0)
+    # aggressive zeroes 70 % of the down projection's input and nothing else
+    assert dense_share == 1.0
+    assert sparse_share == pytest.approx(1 - 0.7 * down / projections, abs=0.05)
     head = engine.lm.model.lm_head.weight
-    assert decoder.weight_bytes(0.0) > head.numel() * head.element_size()
+    assert decoder.weight_bytes(0.0) == head.numel() * head.element_size()
     row = SpeedRow("fast", "dense", 50.0, 1e6, 2e9)
     assert row.ceiling_tokens_per_s == 2000.0 and row.ceiling_share == 0.025
     assert dense_tps > 0 and sparse_tps > 0 and stream_bandwidth(megabytes=8, repeats=1) > 1e8
