@@ -22,6 +22,10 @@ class EngineSettings(BaseModel):
     threads: int | None = Field(None, ge=1, description="torch intra-op threads")
     drift_sample_rate: float = Field(0.1, ge=0.0, le=1.0, description="share of requests with KL")
     prefix_cache_entries: int = Field(32, ge=0)
+    # The lean decode path and its weight type ("off": Hugging Face forward passes only).
+    # float32 gives the reference's tokens; bfloat16 and int8 read 2x and 4x fewer bytes.
+    fast_path: Literal["off", "float32", "bfloat16", "int8"] = "float32"
+    fast_path_max_len: int = Field(2048, ge=16, description="tokens the fast path's KV cache holds")
 
 
 class GatewaySettings(BaseModel):

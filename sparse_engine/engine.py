@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
 from sparse_engine import signals
+from sparse_engine.arch import UnsupportedModelError
 from sparse_engine.artefacts import CalibrationNotFoundError, CalibrationStore
+from sparse_engine.fastpath import FastDecoder
 from sparse_engine.hooks import sparsified
 from sparse_engine.loader import LoadedModel
 from sparse_engine.masking import ChannelMask, masked
@@ -25,6 +29,7 @@ from sparse_engine.sampling import sample_next
 from sparse_engine.textstream import TextStream
 
 __all__ = ["Engine", "Generation", "GenerationRequest", "GenerationStats", "Message"]
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -45,6 +50,18 @@ class Engine:
         self.mask: ChannelMask | None = None
         self.set_mask(mask)
         self._keeps_logits = "logits_to_keep" in inspect.signature(lm.model.forward).parameters
+        self.fast: FastDecoder | None = None
+
+    def enable_fast_path(
+        self, dtype: str = "float32", native: Any = None, max_len: int = 2048
+    ) -> None:
+        """Decode with the lean path (`sparse_engine.fastpath`; `native` is the compiled
+        module) wherever it applies: a Llama-family model, a threshold plan, no channel mask,
+        a sequence within `max_len`. Other requests take the Hugging Face path."""
+        try:
+            self.fast = FastDecoder(self.lm, max_len, dtype, native)
+        except UnsupportedModelError as exc:
+            log.info("fast decode path off for %s: %s", self.lm.model_id, exc)
 
     @classmethod
     def from_store(
@@ -170,18 +187,30 @@ class Engine:
         confidence = _TokenConfidence()
         finish = "length"
         started = time.perf_counter()
+        fast = self._fast_for(plan, len(prompt_ids) + request.max_new_tokens)
         with (
             torch.inference_mode(),
             masked(self.lm.layers, self.mask),
-            sparsified(self.lm.layers, plan, recorder),
+            sparsified(self.lm.layers, plan, recorder) if fast is None else nullcontext(),
         ):
-            cache, cached, mismatch = self._cache_for(request, plan, prompt_ids)
+            if fast is None:
+                cache, cached, mismatch = self._cache_for(request, plan, prompt_ids)
+            else:
+                reusable = prompt_ids if request.use_prefix_cache else []
+                cached, mismatch = fast.reuse(reusable, plan), False
             next_input = torch.tensor([prompt_ids[cached:]])
+            token = -1
             for step in range(request.max_new_tokens):
-                logits = self._forward(next_input, cache, recorder)
+                if fast is None:
+                    logits = self._forward(next_input, cache, recorder)
+                elif step == 0:
+                    logits = fast.prefill(prompt_ids[cached:], plan, recorder)
+                else:
+                    logits = fast.step(token, plan, recorder)
                 if step == 0:
                     first_token_at = time.perf_counter()
-                    self._remember(request, plan, prompt_ids, cache)
+                    if fast is None:
+                        self._remember(request, plan, prompt_ids, cache)
                 if request.measure_drift and not plan.is_dense:
                     kept_logits.append(logits.float())
                 token = sample_next(logits, request.temperature, request.top_p, generator)
@@ -229,6 +258,12 @@ class Engine:
             token_logprobs=confidence.logprobs,
             token_entropies=confidence.entropies,
         )
+
+    def _fast_for(self, plan: SparsityPlan, tokens: int) -> FastDecoder | None:
+        fast = self.fast
+        if fast is None or self.mask is not None or not fast.supports(plan, tokens):
+            return None
+        return fast
 
     def _cache_for(
         self, request: GenerationRequest, plan: SparsityPlan, prompt_ids: list[int]

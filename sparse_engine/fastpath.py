@@ -116,6 +116,8 @@ class FastDecoder:
         self.role_in = torch.tensor([parts[r][0].rows.shape[0] for r in ROLES], dtype=torch.float64)
         self.role_cols = torch.tensor([parts[r][1] for r in ROLES], dtype=torch.float64)
         self._limits: tuple[SparsityPlan, torch.Tensor] | None = None
+        self.tokens: list[int] = []  # the sequence in the KV cache
+        self._cached_plan: SparsityPlan | None = None  # the plan it was computed under
         self.length = 0
         self.weights_read = 0.0  # projection weights read by decode steps
         self.weights_total = 0.0  # and those dense steps would read
@@ -137,6 +139,26 @@ class FastDecoder:
 
     def reset(self) -> None:
         self.length = 0
+        self.tokens = []
+
+    def supports(self, plan: SparsityPlan, tokens: int) -> bool:
+        """Whether this path can run `plan` over a sequence of `tokens`."""
+        return (
+            not set(plan.thresholds) - set(ROLES) and plan.topk is None and tokens <= self.max_len
+        )
+
+    def reuse(self, ids: list[int], plan: SparsityPlan) -> int:
+        """Keep the cached prefix `ids` shares with the last sequence (under the same plan
+        object) and return its length; at least the last token is left to prefill."""
+        common = 0
+        if plan is self._cached_plan:
+            limit = min(len(ids) - 1, len(self.tokens))
+            while common < limit and ids[common] == self.tokens[common]:
+                common += 1
+        self.length = common
+        del self.tokens[common:]
+        self._cached_plan = plan
+        return common
 
     def prefill(
         self, ids: list[int], plan: SparsityPlan, recorder: SignalRecorder | None = None
@@ -159,6 +181,7 @@ class FastDecoder:
             self.channels, self.stats,
         )  # fmt: skip
         self.length = pos + 1
+        self.tokens.append(token)
         kept = self.stats[:, :, 0]
         self.weights_read += float(kept.sum(0) @ self.role_cols)
         self.weights_total += float(self.role_in @ self.role_cols) * len(self.layers)
@@ -183,10 +206,10 @@ class FastDecoder:
         kept, kept_abs, total_abs = self.stats.unbind(-1)
         share = torch.where(total_abs > 0, kept_abs / total_abs.clamp_min(1e-300), 1.0)
         counts = LayerCounts(
-            zeros=((self.role_in - kept) * sparsified).sum(1),
-            numel=(self.role_in * sparsified).sum(1),
-            kept_share_sum=(share * sparsified).sum(1),
-            kept_share_tokens=sparsified.sum(1),
+            zeros=((self.role_in - kept) * sparsified).sum(1).tolist(),
+            numel=(self.role_in * sparsified).sum(1).tolist(),
+            kept_share_sum=(share * sparsified).sum(1).tolist(),
+            kept_share_tokens=sparsified.sum(1).tolist(),
         )
         recorder.begin_step()
         recorder.observe_layers(counts, self.channels, 1)
@@ -222,6 +245,7 @@ class FastDecoder:
                 torch.sum(a.abs(), 0, out=self.channels[i])
             x = x + self._project(i, layer.down, a, limits, counts)
         self.length = start + n
+        self.tokens.extend(ids.tolist())
         if recorder is not None and counts is not None:
             recorder.begin_step()
             recorder.observe_layers(counts, self.channels, n)

@@ -107,7 +107,7 @@ class SignalRecorder:
         if self.token_zeros is not None or self.answer_start is not None:
             raise ValueError("per-position and teacher-forced signals need the hooks")
         for name in ("zeros", "numel", "kept_share_sum", "kept_share_tokens"):
-            getattr(self, name).add_(torch.as_tensor(getattr(counts, name), dtype=torch.float64))
+            getattr(self, name).add_(torch.tensor(getattr(counts, name), dtype=torch.float64))
         channels = channels.to(torch.float64)
         self._blocks[0] = _add_rows(self.magnitude, channels, self._blocks[0])
         if self.steps:
@@ -161,10 +161,10 @@ class LayerCounts:
     """Per-layer sums over one step's sparsified tensors, as `observe_sparsified` keeps them:
     zeroed and total activations, and the kept-magnitude share summed over tokens."""
 
-    zeros: list[float] | torch.Tensor
-    numel: list[float] | torch.Tensor
-    kept_share_sum: list[float] | torch.Tensor
-    kept_share_tokens: list[float] | torch.Tensor
+    zeros: list[float]
+    numel: list[float]
+    kept_share_sum: list[float]
+    kept_share_tokens: list[float]
 
     @classmethod
     def empty(cls, num_layers: int) -> LayerCounts:
@@ -192,7 +192,8 @@ def _add_rows(
         return rows_of.add_(block)
     rows_of = block.clone()
     for i, row in enumerate(rows_of.unbind(0)):
-        if totals[i] is not None:
-            row.add_(totals[i])
+        total = totals[i]
+        if total is not None:
+            row.add_(total)
         totals[i] = row
     return rows_of

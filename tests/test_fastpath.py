@@ -5,11 +5,11 @@ signals as the hooks record."""
 
 from __future__ import annotations
 
-import pytest
-import torch
-
 from pathlib import Path
 from typing import Any
+
+import pytest
+import torch
 
 from sparse_engine import kernels
 from sparse_engine.allocation import thresholds_for, uniform_targets

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from services.config import Settings
+from services.engine_setup import configure_fast_path
 from sparse_engine.artefacts import CalibrationStore
 from sparse_engine.engine import Engine
 from sparse_engine.loader import LoadedModel, load_model
@@ -35,5 +36,7 @@ def store(settings: Settings) -> CalibrationStore:
     return CalibrationStore(settings.calibrations_dir)
 
 
-def engine(settings: Settings, model: str | None) -> Engine:
-    return Engine.from_store(load(settings, model), store(settings))
+def engine(settings: Settings, model: str | None, fast: bool = True) -> Engine:
+    """The calibrated engine; `fast=False` keeps it on the Hugging Face reference path."""
+    built = Engine.from_store(load(settings, model), store(settings))
+    return configure_fast_path(built, settings) if fast else built

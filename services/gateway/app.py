@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry
 
 from services.config import Settings
+from services.engine_setup import configure_fast_path
 from services.gateway.errors import ApiError, install_error_handlers, is_anthropic
 from services.gateway.events import record_rejected
 from services.gateway.limits import BodySizeLimit
@@ -103,4 +104,5 @@ def build_engine(settings: Settings) -> Engine:
         torch.set_num_threads(settings.engine.threads)
     lm = load_model(resolve_model(settings.engine.model, settings.cache_home))
     cache = PrefixCache() if settings.engine.prefix_cache_entries else None
-    return Engine.from_store(lm, CalibrationStore(settings.calibrations_dir), cache)
+    engine = Engine.from_store(lm, CalibrationStore(settings.calibrations_dir), cache)
+    return configure_fast_path(engine, settings)
