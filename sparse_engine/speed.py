@@ -9,7 +9,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -23,11 +25,12 @@ GB = 1e9
 
 @dataclass(frozen=True, slots=True)
 class SpeedRow:
-    path: str  # reference | fast | llama.cpp
+    path: str  # reference | pytorch (the fast path's fallback) | fast | llama.cpp
     level: str
     tokens_per_s: float
     bytes_per_token: float
     bandwidth_bytes_per_s: float
+    weights: str = "float32"
 
     @property
     def ceiling_tokens_per_s(self) -> float:
@@ -38,17 +41,51 @@ class SpeedRow:
         return self.tokens_per_s / self.ceiling_tokens_per_s
 
 
-def stream_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
-    """Bytes/s a float32 matrix-vector product streams here: the shape of a decode step."""
+def stream_bandwidth(native: Any = None, megabytes: int = 256, repeats: int = 5) -> float:
+    """Bytes/s a float32 matrix-vector product streams here (the shape of a decode step): the
+    best of PyTorch's and, when given, the compiled kernel's."""
     cols = 4096
     weights = torch.randn(megabytes * 2**20 // (4 * cols), cols)
     x = torch.randn(cols)
+    rows = weights.T.contiguous()  # input-major, as the kernel reads it
+    products: list[Callable[[], object]] = [lambda: weights @ x]
+    if native is not None:
+        products.append(lambda: native.rows_matvec(torch.randn(rows.shape[0]), rows, None, -1.0))
     best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        weights @ x
-        best = min(best, time.perf_counter() - started)
+    for product in products:
+        for _ in range(repeats):
+            started = time.perf_counter()
+            product()
+            best = min(best, time.perf_counter() - started)
     return weights.numel() * 4 / best
+
+
+def goals(rows: list[SpeedRow]) -> list[tuple[str, bool]]:
+    """The issue's goals, judged on the measured rows: (what was compared, met)."""
+    found = {(r.path, r.level, r.weights): r.tokens_per_s for r in rows}
+    out = []
+    reference = found.get(("reference", "dense", "float32"))
+    dense = found.get(("fast", "dense", "float32"))
+    if reference and dense:
+        out.append(
+            (f"fast dense / reference: {dense / reference:.2f}x (goal 2x)", dense >= 2 * reference)
+        )
+    for weights in sorted({r.weights for r in rows if r.path == "fast"}):
+        base = found.get(("fast", "dense", weights))
+        balanced = found.get(("fast", "balanced", weights))
+        if base and balanced:
+            ratio = balanced / base
+            out.append((f"{weights} balanced / fast dense: {ratio:.2f}x (goal 1.3x)", ratio >= 1.3))
+    low = [f"{r.path} {r.level} {r.weights}" for r in rows if r.ceiling_share < 0.6]
+    out.append((f"rows under 60% of their ceiling: {', '.join(low) or 'none'}", not low))
+    cpp = found.get(("llama.cpp", "dense", "Q4_1"))
+    best = max(
+        (tps for (path, level, _), tps in found.items() if path == "fast" and level == "balanced"),
+        default=None,
+    )
+    if cpp and best:
+        out.append((f"best balanced {best:.1f} tok/s against llama.cpp {cpp:.1f}", best >= cpp))
+    return out
 
 
 def reference_speed(

@@ -19,7 +19,7 @@ from sparse_engine.fastpath import ROLES, FastDecoder
 from sparse_engine.hooks import sparsified
 from sparse_engine.plan import Level, SparsityPlan
 from sparse_engine.recorder import SignalRecorder
-from sparse_engine.speed import SpeedRow, fast_speed, stream_bandwidth
+from sparse_engine.speed import SpeedRow, fast_speed, goals, stream_bandwidth
 from sparse_engine.stats_collect import collect_stats
 from tests.tiny import sample_texts, tiny_engine, tiny_model
 
@@ -148,4 +148,24 @@ def test_speed_rows_count_the_weight_bytes_a_token_reads(engine: Engine, native:
     assert decoder.weight_bytes(0.0) == head.numel() * head.element_size()
     row = SpeedRow("fast", "dense", 50.0, 1e6, 2e9)
     assert row.ceiling_tokens_per_s == 2000.0 and row.ceiling_share == 0.025
-    assert dense_tps > 0 and sparse_tps > 0 and stream_bandwidth(megabytes=8, repeats=1) > 1e8
+    assert (
+        dense_tps > 0 and sparse_tps > 0 and stream_bandwidth(native, megabytes=8, repeats=1) > 1e8
+    )
+
+
+def test_goals_are_judged_on_the_measured_rows() -> None:
+    bandwidth = 10e9
+    rows = [
+        SpeedRow("reference", "dense", 20.0, 500e6, bandwidth),
+        SpeedRow("fast", "dense", 45.0, 500e6, bandwidth),
+        SpeedRow("fast", "balanced", 50.0, 100e6, bandwidth),  # 50 % of its ceiling
+        SpeedRow("fast", "dense", 70.0, 250e6, bandwidth, "bfloat16"),
+        SpeedRow("fast", "balanced", 95.0, 180e6, bandwidth, "bfloat16"),
+        SpeedRow("llama.cpp", "dense", 90.0, 100e6, bandwidth, "Q4_1"),
+    ]
+    judged = goals(rows)
+    assert [met for _, met in judged] == [True, True, False, False, True]
+    assert judged[0][0].startswith("fast dense / reference: 2.25x")
+    assert judged[1][0].startswith("bfloat16 balanced / fast dense: 1.36x")
+    assert judged[3][0] == "rows under 60% of their ceiling: fast balanced float32"
+    assert judged[4][0] == "best balanced 95.0 tok/s against llama.cpp 90.0"

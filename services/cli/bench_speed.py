@@ -14,13 +14,16 @@ from tqdm import tqdm
 
 from services.cli.common import emit, emit_json, engine
 from services.config import Settings
-from sparse_engine.fastpath import FastDecoder
+from sparse_engine import kernels
+from sparse_engine.engine import Engine
+from sparse_engine.fastpath import DTYPES, FastDecoder
 from sparse_engine.models import DEFAULT_MODEL, gguf_file
 from sparse_engine.plan import SPARSE_LEVELS, Level
 from sparse_engine.speed import (
     GB,
     SpeedRow,
     fast_speed,
+    goals,
     llama_cpp_speed,
     reference_speed,
     stream_bandwidth,
@@ -34,41 +37,69 @@ def register(bench: Any) -> None:
     s.add_argument("--model")
     s.add_argument("--new-tokens", type=int, default=64)
     s.add_argument("--repeats", type=int, default=3)
+    s.add_argument(
+        "--dtypes", default=",".join(DTYPES), help="fast-path weight types, comma-separated"
+    )
     s.add_argument("--json", action="store_true")
     s.set_defaults(handler=run_speed)
 
 
 def run_speed(args: argparse.Namespace, settings: Settings) -> int:
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     if args.new_tokens < 2 or args.repeats < 1:
         raise ValueError("--new-tokens must be at least 2 and --repeats at least 1")
-    eng = engine(settings, args.model)
+    if not dtypes or set(dtypes) - set(DTYPES):
+        raise ValueError(f"--dtypes takes a comma-separated subset of {', '.join(DTYPES)}")
+    eng = engine(settings, args.model, fast=False)
+    native = kernels.load(settings.cache_home)
     messages = [{"role": "user", "content": PROMPT}]
     ids = eng.encode_messages(messages)
-    decoder = FastDecoder(eng.lm, max_len=len(ids) + args.new_tokens + 1)
-    dense_bytes = decoder.weight_bytes()
-    levels = [lv for lv in SPARSE_LEVELS if lv in eng.plans]
+    max_len = len(ids) + args.new_tokens + 1
+    levels = [Level.DENSE, *(lv for lv in SPARSE_LEVELS if lv in eng.plans)]
     rows: list[SpeedRow] = []
     missing = "llama.cpp: compared only on the default model's GGUF"
-    with tqdm(total=3 + len(levels), unit="run", desc="benchmarking decode") as bar:
-        bandwidth = stream_bandwidth()
+    runs = 3 + len(dtypes) * len(levels) + (native is not None)
+    with tqdm(total=runs, unit="run", desc="benchmarking decode") as bar:
+        bandwidth = stream_bandwidth(native)
         bar.update()
         tps = reference_speed(eng, messages, Level.DENSE, args.new_tokens, args.repeats)
-        rows.append(SpeedRow("reference", "dense", tps, dense_bytes, bandwidth))
+        rows.append(SpeedRow("reference", "dense", tps, _dense_bytes(eng), bandwidth))
         bar.update()
-        for level in [Level.DENSE, *levels]:
-            tps, share = fast_speed(decoder, ids, eng, level, args.new_tokens, args.repeats)
-            rows.append(SpeedRow("fast", level.value, tps, decoder.weight_bytes(share), bandwidth))
+        if native is not None:  # the PyTorch fallback, for comparison
+            decoder = FastDecoder(eng.lm, max_len)
+            tps, share = fast_speed(decoder, ids, eng, Level.DENSE, args.new_tokens, args.repeats)
+            rows.append(SpeedRow("pytorch", "dense", tps, decoder.weight_bytes(share), bandwidth))
             bar.update()
+        path = "fast" if native is not None else "pytorch"
+        for dtype in dtypes:
+            decoder = FastDecoder(eng.lm, max_len, dtype, native)
+            for level in levels:
+                tps, share = fast_speed(decoder, ids, eng, level, args.new_tokens, args.repeats)
+                bytes_read = decoder.weight_bytes(share)
+                rows.append(SpeedRow(path, level.value, tps, bytes_read, bandwidth, dtype))
+                bar.update()
+            del decoder
         if args.model is None:
             gguf = gguf_file(DEFAULT_MODEL, settings.cache_home)
             cpp = llama_cpp_speed(str(gguf), PROMPT, args.new_tokens, torch.get_num_threads())
             if isinstance(cpp, float):
-                rows.append(SpeedRow("llama.cpp", "Q4_1", cpp, gguf.stat().st_size, bandwidth))
+                size = gguf.stat().st_size
+                rows.append(SpeedRow("llama.cpp", "dense", cpp, size, bandwidth, "Q4_1"))
             else:
                 missing = f"llama.cpp: {cpp}"
         bar.update()
     _report(rows, args.json, bandwidth, missing)
     return 0
+
+
+def _dense_bytes(eng: Engine) -> float:
+    """Weights a Hugging Face decode step reads: every parameter but the embedding lookup's
+    (the tied head is read whole)."""
+    model: Any = eng.lm.model
+    embed = model.get_input_embeddings().weight
+    tied = embed.data_ptr() == model.get_output_embeddings().weight.data_ptr()
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return float(total if tied else total - embed.numel() * embed.element_size())
 
 
 def _report(rows: list[SpeedRow], as_json: bool, bandwidth: float, missing: str) -> None:
@@ -85,15 +116,20 @@ def _report(rows: list[SpeedRow], as_json: bool, bandwidth: float, missing: str)
                     for r in rows
                 ],
                 "llama_cpp": None if any(r.path == "llama.cpp" for r in rows) else missing,
+                "goals": [{"goal": text, "met": met} for text, met in goals(rows)],
             }
         )
         return
     emit(f"matrix-vector bandwidth here: {bandwidth / GB:.1f} GB/s (float32, batch 1)")
-    emit(f"{'path':<10}{'level':<14}{'tok/s':>8}{'MB/token':>10}{'ceiling':>9}{'share':>7}")
+    head = f"{'path':<10}{'weights':<9}{'level':<14}{'tok/s':>8}{'MB/token':>10}{'ceiling':>9}"
+    emit(f"{head}{'share':>7}")
     for r in rows:
         emit(
-            f"{r.path:<10}{r.level:<14}{r.tokens_per_s:>8.1f}{r.bytes_per_token / 1e6:>10.1f}"
-            f"{r.ceiling_tokens_per_s:>9.1f}{100 * r.ceiling_share:>6.0f}%"
+            f"{r.path:<10}{r.weights:<9}{r.level:<14}{r.tokens_per_s:>8.1f}"
+            f"{r.bytes_per_token / 1e6:>10.1f}{r.ceiling_tokens_per_s:>9.1f}"
+            f"{100 * r.ceiling_share:>6.0f}%"
         )
     if not any(r.path == "llama.cpp" for r in rows):
         emit(missing)
+    for text, met in goals(rows):
+        emit(f"{'met' if met else 'NOT met':>8}  {text}")
