@@ -10,7 +10,7 @@ from sparse_engine.engine import Engine
 
 def configure_fast_path(engine: Engine, settings: Settings) -> Engine:
     if settings.engine.fast_path != "off":
-        native = kernels.load(settings.cache_home)
+        native = kernels.load()
         engine.enable_fast_path(
             settings.engine.fast_path, native, settings.engine.fast_path_max_len
         )

@@ -5,7 +5,6 @@ signals as the hooks record."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,8 +26,8 @@ TEXT = "Once upon a time there was a little robot who"
 
 
 @pytest.fixture(scope="module")
-def native(home: Path) -> Any:
-    module = kernels.load(home)
+def native() -> Any:
+    module = kernels.load()
     assert module is not None, "the compiled kernels did not build: see the warning logged"
     return module
 

@@ -21,6 +21,7 @@ from services.cli import (
     golden,
     jobs,
     kb,
+    kernels,
     probe,
     silence,
     trust,
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         silence,
         trust,
         kb,
+        kernels,
     ):
         module.register(commands)
     return parser

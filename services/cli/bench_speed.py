@@ -51,7 +51,7 @@ def run_speed(args: argparse.Namespace, settings: Settings) -> int:
     if not dtypes or set(dtypes) - set(DTYPES):
         raise ValueError(f"--dtypes takes a comma-separated subset of {', '.join(DTYPES)}")
     eng = engine(settings, args.model, fast=False)
-    native = kernels.load(settings.cache_home)
+    native = kernels.load()
     messages = [{"role": "user", "content": PROMPT}]
     ids = eng.encode_messages(messages)
     max_len = len(ids) + args.new_tokens + 1

@@ -1,7 +1,9 @@
 """The compiled sparse decode kernels (`rows_matvec.cpp`), built with PyTorch's C++ extension
-tooling into `<cache>/kernels` by `sparseguard kernels build` (the install runs it) or on
-first use, with a pure-PyTorch fallback where no compiler is available. The module holds
-`rows_matvec`, below, and `Layers`, every decoder layer of one token in one call.
+tooling by `sparseguard kernels build` (the install runs it) or on first use, with a
+pure-PyTorch fallback where no compiler is available. The build is for this machine's
+processor, so it goes to one directory per machine, whatever the service's home:
+$SPARSEGUARD_KERNELS_DIR, else ~/.cache/sparseguard/kernels. The module holds `rows_matvec`,
+below, and `Layers`, every decoder layer of one token in one call.
 
 `rows_matvec(x, w, scale, threshold, begin, end)` -> (y, rows read, sum |x| over them, sum |x|):
 y = sum of x_i * w[i, begin:end] over the rows whose |x_i| > threshold (every row when
@@ -43,7 +45,12 @@ class RowsMatvec(Protocol):
     ) -> Result: ...
 
 
-def build(cache_home: Path, verbose: bool = False) -> Any:
+def build_dir() -> Path:
+    configured = os.environ.get("SPARSEGUARD_KERNELS_DIR")
+    return Path(configured) if configured else Path.home() / ".cache" / "sparseguard" / "kernels"
+
+
+def build(verbose: bool = False) -> Any:
     """Compile (or load the cached build of) the extension; raise KernelUnavailableError with
     the reason when it cannot be built."""
     with _lock:
@@ -51,7 +58,7 @@ def build(cache_home: Path, verbose: bool = False) -> Any:
             return _loaded["module"]
         from torch.utils import cpp_extension
 
-        directory = cache_home / "kernels"
+        directory = build_dir()
         directory.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
         try:
@@ -89,11 +96,11 @@ def torch_rows_matvec(
     return y, index.numel(), float(magnitude[index].sum()), total
 
 
-def load(cache_home: Path) -> Any | None:
-    """The compiled module when it builds (into `cache_home`), else None, with the reason
-    logged: callers then use the PyTorch fallback."""
+def load() -> Any | None:
+    """The compiled module when it builds, else None, with the reason logged: callers then
+    use the PyTorch fallback."""
     try:
-        return build(cache_home)
+        return build()
     except KernelUnavailableError as exc:
         log.warning("%s; using the pure-PyTorch fallback", exc)
         return None
