@@ -99,16 +99,17 @@ class FastDecoder:
         self.embed = model.model.embed_tokens.weight.detach()
         self.norm = model.model.norm.weight.detach()
         self.head = _Matrix.of({"head": model.lm_head}, DTYPES[dtype])
-        positions = torch.arange(max_len)[None]
+        self.device = self.embed.device  # the PyTorch fallback runs wherever the model is
+        positions = torch.arange(max_len, device=self.device)[None]
         cos, sin = model.model.rotary_emb(self.embed[:1][None], positions)
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # (max_len, head_dim)
         shape = (len(self.layers), self.kv_heads, max_len, self.head_dim)
-        self.keys = torch.zeros(shape, dtype=self.embed.dtype)
-        self.values = torch.zeros(shape, dtype=self.embed.dtype)
+        self.keys = torch.zeros(shape, dtype=self.embed.dtype, device=self.device)
+        self.values = torch.zeros(shape, dtype=self.embed.dtype, device=self.device)
         widths = {layer.down.rows.shape[0] for layer in self.layers}
         if len(widths) > 1:
             raise UnsupportedModelError("the fast path needs one MLP width in every layer")
-        self.channels = torch.zeros(len(self.layers), widths.pop())
+        self.channels = torch.zeros(len(self.layers), widths.pop(), device=self.device)
         self.stats = torch.zeros(len(self.layers), len(ROLES), 3, dtype=torch.float64)
         first = self.layers[0]
         parts = {role: (m, end - begin) for m in _matrices(first) for role, begin, end in m.parts}
@@ -122,6 +123,8 @@ class FastDecoder:
         self.weights_read = 0.0  # projection weights read by decode steps
         self.weights_total = 0.0  # and those dense steps would read
         if native is not None:
+            if self.device.type != "cpu":
+                raise ValueError("the compiled kernels run on the CPU; pass native=None")
             self._layers = native.Layers(self.heads, self.kv_heads, self.head_dim, self.eps)
             for layer in self.layers:
                 mats = [native.Matrix(m.rows, m.scale) for m in _matrices(layer)]
@@ -163,14 +166,14 @@ class FastDecoder:
     def prefill(
         self, ids: list[int], plan: SparsityPlan, recorder: SignalRecorder | None = None
     ) -> torch.Tensor:
-        return self._forward(torch.tensor(ids), plan, recorder)
+        return self._forward(torch.tensor(ids, device=self.device), plan, recorder)
 
     @torch.inference_mode()
     def step(
         self, token: int, plan: SparsityPlan, recorder: SignalRecorder | None = None
     ) -> torch.Tensor:
         if self.native is None:
-            return self._forward(torch.tensor([token]), plan, recorder)
+            return self._forward(torch.tensor([token], device=self.device), plan, recorder)
         pos = self.length
         if pos >= self.max_len:
             raise ValueError(f"the sequence would exceed the fast path's {self.max_len} tokens")
@@ -322,7 +325,7 @@ class FastDecoder:
             q[None],
             self.keys[i, :, :end][None],
             self.values[i, :, :end][None],
-            attn_mask=_causal(n, end) if n > 1 else None,
+            attn_mask=_causal(n, end, self.device) if n > 1 else None,
             enable_gqa=True,
         )
         return out[0].transpose(0, 1).reshape(n, self.heads * hd)
@@ -352,6 +355,6 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotated * sin
 
 
-def _causal(n: int, end: int) -> torch.Tensor:
+def _causal(n: int, end: int, device: torch.device) -> torch.Tensor:
     """Boolean mask for n new positions ending at `end`: each sees the cache and itself."""
-    return torch.ones(n, end, dtype=torch.bool).tril(diagonal=end - n)
+    return torch.ones(n, end, dtype=torch.bool, device=device).tril(diagonal=end - n)

@@ -108,7 +108,7 @@ class SignalRecorder:
             raise ValueError("per-position and teacher-forced signals need the hooks")
         for name in ("zeros", "numel", "kept_share_sum", "kept_share_tokens"):
             getattr(self, name).add_(torch.tensor(getattr(counts, name), dtype=torch.float64))
-        channels = channels.to(torch.float64)
+        channels = channels.to("cpu", torch.float64)
         self._blocks[0] = _add_rows(self.magnitude, channels, self._blocks[0])
         if self.steps:
             self._blocks[1] = _add_rows(self.answer_magnitude, channels, self._blocks[1])

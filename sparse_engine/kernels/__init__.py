@@ -90,10 +90,17 @@ def torch_rows_matvec(
     magnitude = x.abs()
     total = float(magnitude.sum())
     if threshold < 0:
-        return coef @ columns.to(torch.float32), x.shape[0], total, total
+        return _product(coef, columns), x.shape[0], total, total
     index = (magnitude > threshold).nonzero().squeeze(1)
-    y = coef[index] @ columns.index_select(0, index).to(torch.float32)
+    y = _product(coef[index], columns.index_select(0, index))
     return y, index.numel(), float(magnitude[index].sum()), total
+
+
+def _product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w in float32; on a GPU, bfloat16 weights multiply as they are."""
+    if w.is_cuda and w.dtype == torch.bfloat16:
+        return (x.to(w.dtype) @ w).float()
+    return x @ w.to(torch.float32)
 
 
 def load() -> Any | None:
