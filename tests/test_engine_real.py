@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from sparse_engine import kernels
 from sparse_engine.artefacts import CalibrationStore
-from sparse_engine.engine import Engine, GenerationRequest
+from sparse_engine.engine import Engine, GenerationRequest, Message
 from sparse_engine.loader import LoadedModel
 from sparse_engine.plan import Level
 
@@ -44,3 +45,54 @@ def test_balanced_calibration_round_trips(
     assert reloaded.weights_sha256 == smollm.weights_sha256
     assert reloaded.perplexity_change_pct <= 2.0
     assert reloaded.realised_sparsity >= 0.3
+
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "List three uses of a paperclip.",
+]
+
+
+@pytest.fixture(scope="module")
+def fast_engine(smollm: LoadedModel, calibrated_store: CalibrationStore) -> Engine:
+    engine = Engine.from_store(smollm, calibrated_store)
+    native = kernels.load()
+    assert native is not None, "the compiled kernels did not build: see the warning logged"
+    engine.enable_fast_path("float32", native)
+    return engine
+
+
+@pytest.mark.parametrize("level", [Level.DENSE, Level.BALANCED])
+def test_fast_path_decodes_the_reference_tokens(
+    engine: Engine, fast_engine: Engine, level: Level
+) -> None:
+    """Greedy tokens of the compiled fast path equal the Hugging Face path's (dense) and the
+    masked Hugging Face path's at the same thresholds (balanced), with the same signals."""
+    assert engine.fast is None and fast_engine.fast is not None
+    for prompt in PROMPTS:
+        messages: list[Message] = [{"role": "user", "content": prompt}]
+        # Without prefix reuse, so that both paths observe every prompt position.
+        request = GenerationRequest(
+            messages=messages, max_new_tokens=24, ignore_eos=True, use_prefix_cache=False
+        )
+        want = engine.generate(request, level).result()
+        got = fast_engine.generate(request, level).result()
+        assert got.token_ids == want.token_ids, prompt
+        assert got.signals is not None and want.signals is not None
+        assert got.signals.sparsity_ratio == pytest.approx(want.signals.sparsity_ratio, abs=2e-3)
+        assert got.signals.silence_rate_per_layer == pytest.approx(
+            want.signals.silence_rate_per_layer, abs=0.01
+        )
+        assert got.token_logprobs == pytest.approx(want.token_logprobs, abs=1e-3)
+
+
+def test_fast_path_reuses_the_cached_prefix(fast_engine: Engine) -> None:
+    first = [{"role": "user", "content": PROMPTS[0]}]
+    request = GenerationRequest(messages=first, max_new_tokens=4)
+    cold = fast_engine.generate(request, Level.BALANCED).result()
+    warm = fast_engine.generate(request, Level.BALANCED).result()
+    assert warm.cached_tokens == warm.prompt_tokens - 1 and warm.token_ids == cold.token_ids
+    other = GenerationRequest(messages=first, max_new_tokens=4, use_prefix_cache=False)
+    assert fast_engine.generate(other, Level.BALANCED).result().cached_tokens == 0

@@ -30,32 +30,53 @@ inline __m512 load16(const int8_t* p, __mmask16 m) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
 }
 
-constexpr int64_t kAhead = 8;
+constexpr int64_t kAhead = 8;  // rows ahead whose weights are prefetched
+constexpr int kRows = 8;       // rows summed per pass over y
 
-// y[begin:end] = sum_k coef[k] * w[rows[k], begin:end], four rows per pass over y.
+// y[j:j+16] += sum over the pass's rows of c[u] * r[u][j:j+16], two independent chains.
+template <typename T>
+inline void fma_block(const T* const* r, const __m512* c, int live, int64_t j, __mmask16 m,
+                      float* y) {
+  __m512 a = _mm512_maskz_loadu_ps(m, y + j), b = _mm512_setzero_ps();
+  if (live == kRows) {
+#pragma GCC unroll 8
+    for (int u = 0; u < kRows; u += 2) {
+      a = _mm512_fmadd_ps(c[u], load16(r[u] + j, m), a);
+      b = _mm512_fmadd_ps(c[u + 1], load16(r[u + 1] + j, m), b);
+    }
+  } else {
+    for (int u = 0; u < live; ++u) a = _mm512_fmadd_ps(c[u], load16(r[u] + j, m), a);
+  }
+  _mm512_mask_storeu_ps(y + j, m, _mm512_add_ps(a, b));
+}
+
+// y[begin:end] = sum_k coef[k] * w[rows[k], begin:end], kRows rows per pass over y.
 template <typename T>
 void accumulate(const T* w, int64_t out, const int64_t* rows, const float* coef, int64_t n,
                 int64_t begin, int64_t end, float* y) {
   for (int64_t j = begin; j < end; ++j) y[j] = 0.0f;
-  const T* zero_row = nullptr;
-  for (int64_t k = 0; k < n; k += 4) {
-    const T* r[4];
-    __m512 c[4];
-    for (int u = 0; u < 4; ++u) {
-      const bool real = k + u < n;
-      r[u] = real ? w + rows[k + u] * out : zero_row;
-      c[u] = _mm512_set1_ps(real ? coef[k + u] : 0.0f);
+  constexpr int64_t line = 64 / sizeof(T);  // weights per cache line
+  const int64_t full_end = begin + (end - begin) / 16 * 16;
+  for (int64_t k = 0; k < n; k += kRows) {
+    const int live = static_cast<int>(std::min<int64_t>(kRows, n - k));
+    const T* r[kRows];
+    __m512 c[kRows];
+    const T* ahead[kRows];
+    for (int u = 0; u < kRows; ++u) {
+      r[u] = w + rows[std::min<int64_t>(k + u, n - 1)] * out;
+      c[u] = _mm512_set1_ps(u < live ? coef[k + u] : 0.0f);
+      ahead[u] = w + rows[std::min(k + kAhead + u, n - 1)] * out;
     }
-    const int live = static_cast<int>(std::min<int64_t>(4, n - k));
-    // The rows kAhead ahead start coming in while these are summed.
-    const T* ahead[4];
-    for (int u = 0; u < 4; ++u) ahead[u] = w + rows[std::min(k + kAhead + u, n - 1)] * out;
-    for (int64_t j = begin; j < end; j += 16) {
-      const __mmask16 m = end - j >= 16 ? 0xFFFF : (__mmask16)((1u << (end - j)) - 1);
-      for (int u = 0; u < 4; ++u) _mm_prefetch(reinterpret_cast<const char*>(ahead[u] + j), _MM_HINT_T0);
-      __m512 acc = _mm512_maskz_loadu_ps(m, y + j);
-      for (int u = 0; u < live; ++u) acc = _mm512_fmadd_ps(c[u], load16(r[u] + j, m), acc);
-      _mm512_mask_storeu_ps(y + j, m, acc);
+    for (int64_t j = begin; j < full_end; j += 16) {
+      if ((j - begin) % line == 0) {
+        for (int u = 0; u < kRows; ++u) {
+          _mm_prefetch(reinterpret_cast<const char*>(ahead[u] + j), _MM_HINT_T0);
+        }
+      }
+      fma_block(r, c, live, j, 0xFFFF, y);
+    }
+    if (full_end < end) {
+      fma_block(r, c, live, full_end, (__mmask16)((1u << (end - full_end)) - 1), y);
     }
   }
 }
