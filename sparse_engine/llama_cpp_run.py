@@ -18,7 +18,7 @@ def measure(gguf: str, prompt: str, new_tokens: int, threads: int) -> float:
     ids = llm.tokenize(prompt.encode())
 
     def run(tokens: int) -> float:
-        llm.reset()
+        llm.reset()  # type: ignore[no-untyped-call]
         started = time.perf_counter()
         for produced, _ in enumerate(llm.generate(ids, temp=0.0), start=1):
             if produced >= tokens:
