@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import Any
 
 
 def measure(gguf: str, prompt: str, new_tokens: int, threads: int) -> float:
@@ -14,11 +15,11 @@ def measure(gguf: str, prompt: str, new_tokens: int, threads: int) -> float:
     engine's benchmark) minus a run of one token, both after a warm-up."""
     from llama_cpp import Llama
 
-    llm = Llama(model_path=gguf, n_ctx=1024, n_threads=threads, verbose=False)
+    llm: Any = Llama(model_path=gguf, n_ctx=1024, n_threads=threads, verbose=False)
     ids = llm.tokenize(prompt.encode())
 
     def run(tokens: int) -> float:
-        llm.reset()  # type: ignore[no-untyped-call]
+        llm.reset()
         started = time.perf_counter()
         for produced, _ in enumerate(llm.generate(ids, temp=0.0), start=1):
             if produced >= tokens:
