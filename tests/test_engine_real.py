@@ -85,7 +85,11 @@ def test_fast_path_decodes_the_reference_tokens(
         assert got.signals.silence_rate_per_layer == pytest.approx(
             want.signals.silence_rate_per_layer, abs=0.01
         )
-        assert got.token_logprobs == pytest.approx(want.token_logprobs, abs=1e-3)
+        # Dense: the same arithmetic in another order. Sparse: activations that sit on their
+        # threshold can fall the other way under that reordering, and each flip moves the
+        # logits a little, so the sparse bound is looser; the tokens must still be equal.
+        close = 1e-3 if level is Level.DENSE else 0.3
+        assert got.token_logprobs == pytest.approx(want.token_logprobs, abs=close)
 
 
 def test_fast_path_reuses_the_cached_prefix(fast_engine: Engine) -> None:
