@@ -110,12 +110,8 @@ class FastDecoder:
         if len(widths) > 1:
             raise UnsupportedModelError("the fast path needs one MLP width in every layer")
         self.channels = torch.zeros(len(self.layers), widths.pop(), device=self.device)
-        self.stats = torch.zeros(len(self.layers), len(ROLES), 3, dtype=torch.float64)
-        first = self.layers[0]
-        parts = {role: (m, end - begin) for m in _matrices(first) for role, begin, end in m.parts}
-        # Per role: the input width and the columns one weight row holds.
-        self.role_in = torch.tensor([parts[r][0].rows.shape[0] for r in ROLES], dtype=torch.float64)
-        self.role_cols = torch.tensor([parts[r][1] for r in ROLES], dtype=torch.float64)
+        self.counts = torch.zeros(len(self.layers), 5, dtype=torch.float64)  # see Layers.step
+        self.dense_weights = float(sum(m.rows.numel() for m in _matrices(self.layers[0])))
         self._limits: tuple[SparsityPlan, torch.Tensor] | None = None
         self.tokens: list[int] = []  # the sequence in the KV cache
         self._cached_plan: SparsityPlan | None = None  # the plan it was computed under
@@ -181,15 +177,16 @@ class FastDecoder:
         x = self.embed[token].clone()
         self._layers.step(
             x, self.keys, self.values, self.cos[pos], self.sin[pos], pos, limits,
-            self.channels, self.stats,
+            self.channels, self.counts,
         )  # fmt: skip
         self.length = pos + 1
         self.tokens.append(token)
-        kept = self.stats[:, :, 0]
-        self.weights_read += float(kept.sum(0) @ self.role_cols)
-        self.weights_total += float(self.role_in @ self.role_cols) * len(self.layers)
+        self.weights_read += float(self.counts[:, 4].sum())
+        self.weights_total += self.dense_weights * len(self.layers)
         if recorder is not None:
-            self._observe(recorder, limits >= 0)
+            recorder.begin_step()
+            recorder.observe_layers(self.counts[:, :4], self.channels, 1)
+            recorder.end_step()
         h = F.rms_norm(x, self.norm.shape, self.norm, self.eps)
         logits: torch.Tensor = self.kernel(h, self.head.rows, self.head.scale, -1.0)[0]
         return logits
@@ -203,20 +200,6 @@ class FastDecoder:
                 table[:, ROLES.index(role)] = torch.tensor(per_layer, dtype=torch.float64)
             self._limits = (plan, table)
         return self._limits[1]
-
-    def _observe(self, recorder: SignalRecorder, sparsified: torch.Tensor) -> None:
-        """The compiled step's per-role statistics as the hooks would have recorded them."""
-        kept, kept_abs, total_abs = self.stats.unbind(-1)
-        share = torch.where(total_abs > 0, kept_abs / total_abs.clamp_min(1e-300), 1.0)
-        counts = LayerCounts(
-            zeros=((self.role_in - kept) * sparsified).sum(1).tolist(),
-            numel=(self.role_in * sparsified).sum(1).tolist(),
-            kept_share_sum=(share * sparsified).sum(1).tolist(),
-            kept_share_tokens=sparsified.sum(1).tolist(),
-        )
-        recorder.begin_step()
-        recorder.observe_layers(counts, self.channels, 1)
-        recorder.end_step()
 
     @staticmethod
     def _check(plan: SparsityPlan) -> None:
@@ -251,7 +234,7 @@ class FastDecoder:
         self.tokens.extend(ids.tolist())
         if recorder is not None and counts is not None:
             recorder.begin_step()
-            recorder.observe_layers(counts, self.channels, n)
+            recorder.observe_layers(counts.tensor(), self.channels, n)
             recorder.end_step()
         h = F.rms_norm(x[-1:], self.norm.shape, self.norm, self.eps)
         return self._project(-1, self.head, h, {}, None)[0]

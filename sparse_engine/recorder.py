@@ -99,15 +99,19 @@ class SignalRecorder:
         if layer == 0:
             self.silence_tokens += flat.shape[0]
 
-    def observe_layers(self, counts: LayerCounts, channels: torch.Tensor, positions: int) -> None:
+    def observe_layers(self, counts: torch.Tensor, channels: torch.Tensor, positions: int) -> None:
         """Record one forward step of every layer at once: the bulk form of
         `observe_sparsified` and `observe_channels` for a decoder that sums per layer itself.
-        `channels` (layers, width) holds each layer's |down-projection input| summed over the
-        step's `positions`."""
+        `counts` (layers, 4) holds zeroed and total sparsified activations and the kept-magnitude
+        share summed over tokens and their number; `channels` (layers, width) each layer's
+        |down-projection input| summed over the step's `positions`."""
         if self.token_zeros is not None or self.answer_start is not None:
             raise ValueError("per-position and teacher-forced signals need the hooks")
-        for name in ("zeros", "numel", "kept_share_sum", "kept_share_tokens"):
-            getattr(self, name).add_(torch.tensor(getattr(counts, name), dtype=torch.float64))
+        counts = counts.to(torch.float64)
+        self.zeros += counts[:, 0]
+        self.numel += counts[:, 1]
+        self.kept_share_sum += counts[:, 2]
+        self.kept_share_tokens += counts[:, 3]
         channels = channels.to("cpu", torch.float64)
         self._blocks[0] = _add_rows(self.magnitude, channels, self._blocks[0])
         if self.steps:
@@ -169,6 +173,11 @@ class LayerCounts:
     @classmethod
     def empty(cls, num_layers: int) -> LayerCounts:
         return cls(*([0.0] * num_layers for _ in range(4)))
+
+    def tensor(self) -> torch.Tensor:
+        """(layers, 4), as `SignalRecorder.observe_layers` takes them."""
+        columns = (self.zeros, self.numel, self.kept_share_sum, self.kept_share_tokens)
+        return torch.tensor(columns, dtype=torch.float64).T
 
     def add(self, layer: int, numel: int, kept: int, share_sum: float, tokens: int) -> None:
         """A sparsified tensor of `numel` activations over `tokens` tokens, `kept` of them

@@ -236,30 +236,39 @@ class Layers {
   // x (hidden,): the token's embedding, replaced by the last layer's output. keys, values
   // (layers, kv_heads, max_len, head_dim): the cache, written at `pos`. cos, sin (head_dim,):
   // the rotary table at `pos`. thresholds (layers, 7) float64, negative = dense. channels
-  // (layers, intermediate): |down input| out. stats (layers, 7, 3) float64: rows kept, their
-  // |x| sum and the |x| sum of each role's input, out.
+  // (layers, intermediate): |down input| out. counts (layers, 5) float64 out, per layer: over
+  // the sparsified roles' inputs, as the hooks count them, zeroed and total activations, the
+  // kept share of |x| summed over them, and their number; then the weights read.
   void step(torch::Tensor x, torch::Tensor keys, torch::Tensor values, const torch::Tensor& cos,
             const torch::Tensor& sin, int64_t pos, const torch::Tensor& thresholds,
-            torch::Tensor channels, torch::Tensor stats) {
+            torch::Tensor channels, torch::Tensor counts) {
     const int64_t layers = static_cast<int64_t>(mats_.size());
     const int64_t hidden = x.numel(), inter = channels.size(1), max_len = keys.size(2);
     const int64_t q_width = heads_ * head_dim_, kv_width = kv_heads_ * head_dim_;
     TORCH_CHECK(pos < max_len, "the cache is full");
-    TORCH_CHECK(thresholds.scalar_type() == torch::kFloat64 && stats.scalar_type() == torch::kFloat64,
-                "thresholds and stats are float64");
+    TORCH_CHECK(thresholds.scalar_type() == torch::kFloat64 &&
+                    counts.scalar_type() == torch::kFloat64 && counts.size(1) == 5,
+                "thresholds and counts (layers, 5) are float64");
     std::vector<float> h(hidden), qkv(q_width + 2 * kv_width), att(q_width), y(hidden);
     std::vector<float> gate_up(2 * inter), a(inter);
     float* xs = x.data_ptr<float>();
     const double* limits = thresholds.data_ptr<double>();
-    double* st = stats.data_ptr<double>();
+    double* all_counts = counts.data_ptr<double>();
+    // Per role: the width of its input and the columns of one weight row.
+    const int64_t in[kRoles] = {hidden, hidden, hidden, q_width, hidden, hidden, inter};
+    const int64_t cols[kRoles] = {q_width, kv_width, kv_width, hidden, inter, inter, hidden};
     for (int64_t l = 0; l < layers; ++l) {
       const auto& m = mats_[l];
       const double* t = limits + l * kRoles;
-      double* s = st + l * kRoles * 3;
+      double* c = all_counts + l * 5;
+      std::fill(c, c + 5, 0.0);
       auto record = [&](int role, const Stats& got) {
-        s[role * 3] = static_cast<double>(got.kept);
-        s[role * 3 + 1] = got.kept_abs;
-        s[role * 3 + 2] = got.total_abs;
+        c[4] += static_cast<double>(got.kept * cols[role]);
+        if (t[role] < 0) return;
+        c[0] += static_cast<double>(in[role] - got.kept);
+        c[1] += static_cast<double>(in[role]);
+        c[2] += got.total_abs > 0 ? got.kept_abs / got.total_abs : 1.0;
+        c[3] += 1.0;
       };
       rms_norm(xs, norms_[l][0].data_ptr<float>(), hidden, eps_, h.data());
       if (t[kQ] == t[kK] && t[kK] == t[kV]) {
