@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import torch
 
 from sparse_engine.engine import Engine
 from sparse_engine.fastpath import FastDecoder
-from sparse_engine.plan import Level
+from sparse_engine.plan import Level, SparsityPlan
 from sparse_engine.requests import GenerationRequest, Message
 
 GB = 1e9
@@ -31,6 +32,7 @@ class SpeedRow:
     bytes_per_token: float
     bandwidth_bytes_per_s: float
     weights: str = "float32"
+    perplexity: float | None = None  # teacher-forced on held-out text, where measured
 
     @property
     def ceiling_tokens_per_s(self) -> float:
@@ -119,6 +121,17 @@ def fast_speed(
     decoder.weights_read = decoder.weights_total = 0.0
     runs = [once() for _ in range(repeats)]
     return statistics.median(runs), decoder.read_share
+
+
+def fast_perplexity(decoder: FastDecoder, ids: list[int], plan: SparsityPlan) -> float:
+    """Perplexity of `ids` teacher-forced one decode step at a time, as decoding runs."""
+    decoder.reset()
+    logits = decoder.prefill(ids[:1], plan)
+    nll = 0.0
+    for token in ids[1:]:
+        nll -= float(torch.log_softmax(logits.float(), -1)[token])
+        logits = decoder.step(token, plan)
+    return math.exp(nll / (len(ids) - 1))
 
 
 def llama_cpp_speed(gguf: str, prompt: str, new_tokens: int, threads: int) -> float | str:

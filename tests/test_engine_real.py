@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 
+from services.cli import main
 from sparse_engine import kernels
 from sparse_engine.artefacts import CalibrationStore
 from sparse_engine.engine import Engine, GenerationRequest, Message
@@ -100,3 +105,30 @@ def test_fast_path_reuses_the_cached_prefix(fast_engine: Engine) -> None:
     assert warm.cached_tokens == warm.prompt_tokens - 1 and warm.token_ids == cold.token_ids
     other = GenerationRequest(messages=first, max_new_tokens=4, use_prefix_cache=False)
     assert fast_engine.generate(other, Level.BALANCED).result().cached_tokens == 0
+
+
+def test_bench_speed_reports_every_path_side_by_side(
+    home: Path,
+    calibrated_store: CalibrationStore,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("SPARSEGUARD_HOME", str(tmp_path))
+    monkeypatch.setenv("SPARSEGUARD_CACHE_DIR", str(home))
+    shutil.copytree(calibrated_store.root, tmp_path / "calibrations")
+    args = ["--new-tokens", "4", "--repeats", "1", "--quality-tokens", "32", "--json"]
+    assert main(["bench", "speed", *args, "--dtypes", "float32,int8"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = {(r["path"], r["weights"], r["level"]): r for r in report["rows"]}
+    expected = {("reference", "float32", "dense"), ("pytorch", "float32", "dense")} | {
+        ("fast", dtype, level) for dtype in ("float32", "int8") for level in ("dense", "balanced")
+    }
+    assert expected <= set(rows)
+    assert all(r["tokens_per_s"] > 0 and r["ceiling_share"] > 0 for r in report["rows"])
+    dense, sparse = rows[("fast", "float32", "dense")], rows[("fast", "float32", "balanced")]
+    assert sparse["bytes_per_token"] < dense["bytes_per_token"]
+    assert rows[("fast", "int8", "dense")]["bytes_per_token"] < 0.3 * dense["bytes_per_token"]
+    assert 5 < dense["perplexity"] < sparse["perplexity"] < 2 * dense["perplexity"]
+    assert report["goals"] and report["bandwidth_gb_per_s"] > 0.1
+    assert report["llama_cpp"] is None or report["llama_cpp"].startswith("llama.cpp:")

@@ -11,10 +11,9 @@ from typing import Any
 import torch
 
 from services.cli import bench_gateway, bench_pipeline, bench_speed
-from services.cli.common import emit, emit_json, engine
+from services.cli.common import emit, emit_json, engine, middle_tokens
 from services.config import Settings
 from sparse_engine import corpora
-from sparse_engine.calibrate import shuffled
 from sparse_engine.engine import Engine, GenerationRequest
 from sparse_engine.perplexity import perplexity
 from sparse_engine.plan import Level
@@ -76,18 +75,6 @@ def run_quality(args: argparse.Namespace, settings: Settings) -> int:
             f"{r['level']:14}{r['sparsity']:>10.3f}{r['perplexity']:>12.3f}{r['perplexity_change_pct']:>+9.2f}%"
         )
     return 0
-
-
-def middle_tokens(eng: Engine, texts: list[str], count: int) -> torch.Tensor:
-    """Tokens from the middle of the corpus in calibration's document order: calibration
-    samples come from its front and held-out text from its back, so the middle is unseen."""
-    ids: list[int] = []
-    texts = shuffled(texts)
-    for text in texts[len(texts) // 2 :] or texts:
-        ids.extend(eng.lm.tokenizer(text, add_special_tokens=False)["input_ids"])
-        if len(ids) >= count:
-            break
-    return torch.tensor(ids[:count])
 
 
 def run_engine(args: argparse.Namespace, settings: Settings) -> int:

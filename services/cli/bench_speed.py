@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from services.cli.common import emit, emit_json, engine
+from services.cli.common import emit, emit_json, engine, middle_tokens
 from services.config import Settings
-from sparse_engine import kernels
+from sparse_engine import corpora, kernels
 from sparse_engine.engine import Engine
 from sparse_engine.fastpath import DTYPES, FastDecoder
 from sparse_engine.models import DEFAULT_MODEL, gguf_file
@@ -22,6 +22,7 @@ from sparse_engine.plan import SPARSE_LEVELS, Level
 from sparse_engine.speed import (
     GB,
     SpeedRow,
+    fast_perplexity,
     fast_speed,
     goals,
     llama_cpp_speed,
@@ -38,6 +39,10 @@ def register(bench: Any) -> None:
     s.add_argument("--new-tokens", type=int, default=64)
     s.add_argument("--repeats", type=int, default=3)
     s.add_argument(
+        "--quality-tokens", type=int, default=256,
+        help="held-out wiki tokens each fast-path row is teacher-forced over (0: skip)",
+    )  # fmt: skip
+    s.add_argument(
         "--dtypes", default=",".join(DTYPES), help="fast-path weight types, comma-separated"
     )
     s.add_argument("--json", action="store_true")
@@ -48,13 +53,17 @@ def run_speed(args: argparse.Namespace, settings: Settings) -> int:
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     if args.new_tokens < 2 or args.repeats < 1:
         raise ValueError("--new-tokens must be at least 2 and --repeats at least 1")
+    if args.quality_tokens and args.quality_tokens < 16:
+        raise ValueError("--quality-tokens must be 0 (skip) or at least 16")
     if not dtypes or set(dtypes) - set(DTYPES):
         raise ValueError(f"--dtypes takes a comma-separated subset of {', '.join(DTYPES)}")
     eng = engine(settings, args.model, fast=False)
     native = kernels.load()
     messages = [{"role": "user", "content": PROMPT}]
     ids = eng.encode_messages(messages)
-    max_len = len(ids) + args.new_tokens + 1
+    texts = corpora.load_texts("wiki", settings.cache_home) if args.quality_tokens else []
+    held_out = middle_tokens(eng, texts, args.quality_tokens).tolist() if texts else []
+    max_len = max(len(ids) + args.new_tokens, len(held_out)) + 1
     levels = [Level.DENSE, *(lv for lv in SPARSE_LEVELS if lv in eng.plans)]
     rows: list[SpeedRow] = []
     missing = "llama.cpp: compared only on the default model's GGUF"
@@ -76,7 +85,8 @@ def run_speed(args: argparse.Namespace, settings: Settings) -> int:
             for level in levels:
                 tps, share = fast_speed(decoder, ids, eng, level, args.new_tokens, args.repeats)
                 bytes_read = decoder.weight_bytes(share)
-                rows.append(SpeedRow(path, level.value, tps, bytes_read, bandwidth, dtype))
+                ppl = fast_perplexity(decoder, held_out, eng.plan(level)) if held_out else None
+                rows.append(SpeedRow(path, level.value, tps, bytes_read, bandwidth, dtype, ppl))
                 bar.update()
             del decoder
         if args.model is None:
@@ -122,13 +132,15 @@ def _report(rows: list[SpeedRow], as_json: bool, bandwidth: float, missing: str)
         return
     emit(f"matrix-vector bandwidth here: {bandwidth / GB:.1f} GB/s (float32, batch 1)")
     head = f"{'path':<10}{'weights':<9}{'level':<14}{'tok/s':>8}{'MB/token':>10}{'ceiling':>9}"
-    emit(f"{head}{'share':>7}")
+    emit(f"{head}{'share':>7}{'ppl':>8}")
     for r in rows:
+        ppl = f"{r.perplexity:>8.2f}" if r.perplexity is not None else f"{'':>8}"
         emit(
             f"{r.path:<10}{r.weights:<9}{r.level:<14}{r.tokens_per_s:>8.1f}"
             f"{r.bytes_per_token / 1e6:>10.1f}{r.ceiling_tokens_per_s:>9.1f}"
-            f"{100 * r.ceiling_share:>6.0f}%"
+            f"{100 * r.ceiling_share:>6.0f}%{ppl}"
         )
+    emit("ppl: perplexity teacher-forced through the fast path on held-out wiki text")
     if not any(r.path == "llama.cpp" for r in rows):
         emit(missing)
     for text, met in goals(rows):

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from services.cli.bench import measure, middle_tokens
-from services.cli.common import emit, emit_json, load
+from services.cli.bench import measure
+from services.cli.common import emit, emit_json, load, middle_tokens
 from services.config import Settings
 from sparse_engine import corpora
 from sparse_engine.calibrate import shuffled
