@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,6 +47,21 @@ def calibrated_store(
     for cal in calibrate(smollm, data, [Level.BALANCED], CI_CALIBRATION):
         store.save(cal)
     return store
+
+
+@pytest.fixture
+def cli_home(
+    home: Path,
+    calibrated_store: CalibrationStore,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Path:
+    """A private SPARSEGUARD_HOME for in-process CLI runs: the shared model cache and a copy
+    of the session's balanced calibration."""
+    monkeypatch.setenv("SPARSEGUARD_HOME", str(tmp_path))
+    monkeypatch.setenv("SPARSEGUARD_CACHE_DIR", str(home))
+    shutil.copytree(calibrated_store.root, tmp_path / "calibrations")
+    return tmp_path
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -108,15 +107,8 @@ def test_fast_path_reuses_the_cached_prefix(fast_engine: Engine) -> None:
 
 
 def test_bench_speed_reports_every_path_side_by_side(
-    home: Path,
-    calibrated_store: CalibrationStore,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
+    cli_home: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv("SPARSEGUARD_HOME", str(tmp_path))
-    monkeypatch.setenv("SPARSEGUARD_CACHE_DIR", str(home))
-    shutil.copytree(calibrated_store.root, tmp_path / "calibrations")
     args = ["--new-tokens", "4", "--repeats", "1", "--quality-tokens", "32", "--json"]
     assert main(["bench", "speed", *args, "--dtypes", "float32,int8"]) == 0
     report = json.loads(capsys.readouterr().out)

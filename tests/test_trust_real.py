@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import httpx
@@ -61,16 +60,9 @@ def test_retrieval_puts_the_fact_into_smollm_s_answer(
 
 
 def test_trust_fit_and_eval_cli_on_a_qa_file(
-    home: Path,
-    calibrated_store: CalibrationStore,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
+    cli_home: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv("SPARSEGUARD_HOME", str(tmp_path))
-    monkeypatch.setenv("SPARSEGUARD_CACHE_DIR", str(home))
-    shutil.copytree(calibrated_store.root, tmp_path / "calibrations")
-    qa = tmp_path / "qa.jsonl"
+    qa = cli_home / "qa.jsonl"
     qa.write_text("\n".join(json.dumps(row) for row in QA))
     common = ["--data", str(qa), "--max-new-tokens", "12"]
     assert main(["trust", "fit", *common, "--n", "6"]) == 0
@@ -81,7 +73,7 @@ def test_trust_fit_and_eval_cli_on_a_qa_file(
     assert 0 < report["right"] < 6
     names = {row["name"] for row in report["rows"]}
     assert {"trust_score", "late_silence", "mean_logprob", "answer_length"} <= names
-    records = list((tmp_path / "trust" / "records").glob("*.jsonl"))
+    records = list((cli_home / "trust" / "records").glob("*.jsonl"))
     assert len(records) == 1 and len(records[0].read_text().splitlines()) == 6  # reused
     assert main(["eval", "trust", "--data", str(qa), "--n", "7"]) == 2
     assert "reaches past the end" in capsys.readouterr().err
