@@ -13,6 +13,7 @@ the reference's. Prints one JSON object."""
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 import time
@@ -46,14 +47,16 @@ def bandwidth(device: torch.device, megabytes: int = 2048) -> float:
 
 def reference(model: Any, prompt: torch.Tensor, new_tokens: int) -> tuple[float, list[int]]:
     """Greedy decode with the Hugging Face forward and DynamicCache: (tokens/s, tokens)."""
+    # transformers renamed past_key_values to cache; GPU images may hold an older release
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
-        logits = model(input_ids=prompt[None], past_key_values=cache, use_cache=True).logits
+        kwargs = {name: DynamicCache(config=model.config), "use_cache": True}
+        logits = model(input_ids=prompt[None], **kwargs).logits
         tokens = [int(logits[0, -1].argmax())]
         started = time.perf_counter()
         for _ in range(new_tokens - 1):
             step = torch.tensor([[tokens[-1]]], device=prompt.device)
-            logits = model(input_ids=step, past_key_values=cache, use_cache=True).logits
+            logits = model(input_ids=step, **kwargs).logits
             tokens.append(int(logits[0, -1].argmax()))
         return (new_tokens - 1) / (time.perf_counter() - started), tokens
 

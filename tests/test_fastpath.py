@@ -5,12 +5,13 @@ signals as the hooks record."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from sparse_engine import kernels
+from sparse_engine import kernels, speed_gpu
 from sparse_engine.allocation import thresholds_for, uniform_targets
 from sparse_engine.arch import UnsupportedModelError
 from sparse_engine.engine import Engine
@@ -168,3 +169,17 @@ def test_goals_are_judged_on_the_measured_rows() -> None:
     assert judged[1][0].startswith("bfloat16 balanced / fast dense: 1.36x")
     assert judged[3][0] == "rows under 60% of their ceiling: fast balanced float32"
     assert judged[4][0] == "best balanced 95.0 tok/s against llama.cpp 90.0"
+
+
+def test_the_gpu_benchmark_script_runs_on_a_config(tmp_path: Path) -> None:
+    """`sparse_engine.speed_gpu` is run on lent GPU machines; here it runs on the CPU on the
+    tiny Llama's config, and its fast path decodes the reference's greedy tokens."""
+    tiny_model("llama").model.config.save_pretrained(tmp_path)
+    report = speed_gpu.run(str(tmp_path), "cpu", new_tokens=6, sparsity=0.5)
+    rows = {(r["path"], r["weights"], r["level"]): r for r in report["rows"]}
+    assert rows[("fast (pytorch)", "float32", "dense")]["greedy_tokens_equal_reference"] is True
+    sparse = rows[("fast (pytorch)", "float32", "50% every input")]
+    assert (
+        sparse["bytes_per_token"] < 0.8 * rows[("reference", "float32", "dense")]["bytes_per_token"]
+    )
+    assert all(r["tokens_per_s"] > 0 for r in report["rows"]) and report["device"] == "cpu"
