@@ -31,6 +31,7 @@ inline __m512 load16(const int8_t* p, __mmask16 m) {
 }
 
 constexpr int64_t kAhead = 8;  // rows ahead whose weights are prefetched
+constexpr int64_t kPrefetchBelow = 16384;  // bytes per row segment
 constexpr int kRows = 8;       // rows summed per pass over y
 
 // y[j:j+16] += sum over the pass's rows of c[u] * r[u][j:j+16], two independent chains.
@@ -57,6 +58,9 @@ void accumulate(const T* w, int64_t out, const int64_t* rows, const float* coef,
   for (int64_t j = begin; j < end; ++j) y[j] = 0.0f;
   constexpr int64_t line = 64 / sizeof(T);  // weights per cache line
   const int64_t full_end = begin + (end - begin) / 16 * 16;
+  // Short rows end before the hardware prefetcher has picked up their stream, so the rows
+  // ahead are fetched by hand; long rows (the output head) stream better without.
+  const bool prefetch = (end - begin) * static_cast<int64_t>(sizeof(T)) <= kPrefetchBelow;
   for (int64_t k = 0; k < n; k += kRows) {
     const int live = static_cast<int>(std::min<int64_t>(kRows, n - k));
     const T* r[kRows];
@@ -68,7 +72,7 @@ void accumulate(const T* w, int64_t out, const int64_t* rows, const float* coef,
       ahead[u] = w + rows[std::min(k + kAhead + u, n - 1)] * out;
     }
     for (int64_t j = begin; j < full_end; j += 16) {
-      if ((j - begin) % line == 0) {
+      if (prefetch && (j - begin) % line == 0) {
         for (int u = 0; u < kRows; ++u) {
           _mm_prefetch(reinterpret_cast<const char*>(ahead[u] + j), _MM_HINT_T0);
         }
