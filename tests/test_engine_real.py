@@ -54,7 +54,6 @@ def test_balanced_calibration_round_trips(
 PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
-    "Explain in two sentences why the sky is blue.",
     "List three uses of a paperclip.",
 ]
 
@@ -79,7 +78,7 @@ def test_fast_path_decodes_the_reference_tokens(
         messages: list[Message] = [{"role": "user", "content": prompt}]
         # Without prefix reuse, so that both paths observe every prompt position.
         request = GenerationRequest(
-            messages=messages, max_new_tokens=24, ignore_eos=True, use_prefix_cache=False
+            messages=messages, max_new_tokens=20, ignore_eos=True, use_prefix_cache=False
         )
         want = engine.generate(request, level).result()
         got = fast_engine.generate(request, level).result()
