@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -31,18 +31,6 @@ class KernelUnavailableError(RuntimeError):
 
 
 Result = tuple[torch.Tensor, int, float, float]
-
-
-class RowsMatvec(Protocol):
-    def __call__(
-        self,
-        x: torch.Tensor,
-        w: torch.Tensor,
-        scale: torch.Tensor | None,
-        threshold: float,
-        begin: int = 0,
-        end: int = -1,
-    ) -> Result: ...
 
 
 def build_dir() -> Path:
