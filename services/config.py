@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from sparse_engine.models import DEFAULT_MODEL
+from sparse_engine.model.catalog import DEFAULT_MODEL
 
 
 class EngineSettings(BaseModel):

@@ -4,8 +4,8 @@ plans, with the compiled kernels when they build."""
 from __future__ import annotations
 
 from services.config import Settings
-from sparse_engine import kernels
-from sparse_engine.engine import Engine
+from sparse_engine.runtime import kernels
+from sparse_engine.runtime.engine import Engine
 
 
 def configure_fast_path(engine: Engine, settings: Settings) -> Engine:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sparse_engine.silence import ChannelSet, SilenceMap, Unit
+from sparse_engine.compression.silence import ChannelSet, SilenceMap, Unit
 
 ROW_PX, GAP = 6, 8
 LOG_MIN, LOG_SPAN = -8.0, 12.0  # series quantisation: log10 |a| in [-8, 4] over 0..255

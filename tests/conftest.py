@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from services.broker import Broker
-from sparse_engine.artefacts import CalibrationStore
-from sparse_engine.calibrate import CalibrationConfig, calibrate, prepare_data
-from sparse_engine.corpora import load_texts
-from sparse_engine.loader import LoadedModel, load_model
-from sparse_engine.models import DEFAULT_MODEL, resolve_model
-from sparse_engine.plan import Level
+from sparse_engine.calibration.pipeline import CalibrationConfig, calibrate, prepare_data
+from sparse_engine.calibration.store import CalibrationStore
+from sparse_engine.data.corpora import load_texts
+from sparse_engine.model.catalog import DEFAULT_MODEL, resolve_model
+from sparse_engine.model.loader import LoadedModel, load_model
+from sparse_engine.sparsity.plan import Level
 
 # Small enough for CI; `make run` and `make bench` calibrate with the full defaults.
 CI_CALIBRATION = CalibrationConfig(samples=32, seq_len=256, heldout_tokens=2048)

@@ -13,8 +13,8 @@ from services.config import GatewaySettings, Settings, TelemetrySettings
 from services.gateway.app import create_app
 from services.serving import serve
 from services.telemetry.schema import TelemetryEvent
-from sparse_engine.engine import Engine, Generation, GenerationRequest
-from sparse_engine.plan import Level, SparsityPlan
+from sparse_engine.runtime.engine import Engine, Generation, GenerationRequest
+from sparse_engine.sparsity.plan import Level, SparsityPlan
 
 
 class RecordingSink:

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparse_engine.artefacts import CalibrationNotFoundError, CalibrationStore
-from sparse_engine.calibrate import CalibrationConfig, calibrate, prepare_data
-from sparse_engine.engine import Engine, GenerationRequest
-from sparse_engine.perplexity import PerplexityResult
-from sparse_engine.plan import Level
+from sparse_engine.calibration.pipeline import CalibrationConfig, calibrate, prepare_data
+from sparse_engine.calibration.store import CalibrationNotFoundError, CalibrationStore
+from sparse_engine.evaluation.perplexity import PerplexityResult
+from sparse_engine.runtime.engine import Engine, GenerationRequest
+from sparse_engine.sparsity.plan import Level
 from tests.tiny import sample_texts, tiny_model
 
 CFG = CalibrationConfig(samples=6, seq_len=96, heldout_tokens=256, max_rows=64)

@@ -12,31 +12,31 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from services.cli import main
-from sparse_engine.arch import LayerParts
-from sparse_engine.engine import GenerationRequest
-from sparse_engine.loader import LoadedModel, load_model, wrap
-from sparse_engine.masking import (
-    ChannelMask,
-    masked,
-    parse_layer_list,
-    read_bias_like,
-    read_silent_channels,
-)
-from sparse_engine.plan import Level
-from sparse_engine.prune import (
+from sparse_engine.compression.prune import (
     intermediate_sizes,
     num_parameters,
     prune,
     pruned_copy,
     verify,
 )
-from sparse_engine.semi24 import (
+from sparse_engine.compression.semi24 import (
     compliance,
     compliance_table,
     input_norms,
     semi24_copy,
     two_four_mask,
 )
+from sparse_engine.model.arch import LayerParts
+from sparse_engine.model.loader import LoadedModel, load_model, wrap
+from sparse_engine.runtime.engine import GenerationRequest
+from sparse_engine.sparsity.masking import (
+    ChannelMask,
+    masked,
+    parse_layer_list,
+    read_bias_like,
+    read_silent_channels,
+)
+from sparse_engine.sparsity.plan import Level
 from tests.tiny import byte_tokenizer, tiny_engine, tiny_model
 
 DEAD = {0: [1, 5, 9, 100], 1: [2, 3, 4, 50, 77, 127]}  # per-layer sizes will differ

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sparse_engine.corpora import (
+from sparse_engine.data.corpora import (
     Corpus,
     CorpusError,
     corpus_names,
@@ -26,7 +26,7 @@ from sparse_engine.corpora import (
     parse_stories,
     parse_wiki,
 )
-from sparse_engine.packages import (
+from sparse_engine.data.packages import (
     FetchError,
     PinnedPackage,
     extract_member,

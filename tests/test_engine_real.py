@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from services.cli import main
-from sparse_engine import kernels
-from sparse_engine.artefacts import CalibrationStore
-from sparse_engine.engine import Engine, GenerationRequest, Message
-from sparse_engine.loader import LoadedModel
-from sparse_engine.plan import Level
+from sparse_engine.calibration.store import CalibrationStore
+from sparse_engine.model.loader import LoadedModel
+from sparse_engine.runtime import kernels
+from sparse_engine.runtime.engine import Engine, GenerationRequest, Message
+from sparse_engine.sparsity.plan import Level
 
 pytestmark = pytest.mark.slow
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

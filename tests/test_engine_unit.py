@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparse_engine.allocation import (
+from sparse_engine.calibration.allocation import (
     GRID,
     error_curves,
     greedy_path,
@@ -15,12 +15,12 @@ from sparse_engine.allocation import (
     uniform_targets,
     unit_widths,
 )
-from sparse_engine.engine import Engine, GenerationRequest
-from sparse_engine.hooks import sparsified
-from sparse_engine.loader import LoadedModel
-from sparse_engine.plan import Level, SparsityPlan
-from sparse_engine.recorder import SignalRecorder
-from sparse_engine.stats_collect import ActivationStats, collect_stats
+from sparse_engine.calibration.stats import ActivationStats, collect_stats
+from sparse_engine.model.loader import LoadedModel
+from sparse_engine.runtime.engine import Engine, GenerationRequest
+from sparse_engine.sparsity.hooks import sparsified
+from sparse_engine.sparsity.plan import Level, SparsityPlan
+from sparse_engine.sparsity.recorder import SignalRecorder
 from tests.tiny import sample_texts, tiny_model
 
 FAMILIES = ["llama", "qwen2", "gpt2"]

@@ -11,16 +11,17 @@ from typing import Any
 import pytest
 import torch
 
-from sparse_engine import kernels, speed_gpu
-from sparse_engine.allocation import thresholds_for, uniform_targets
-from sparse_engine.arch import UnsupportedModelError
-from sparse_engine.engine import Engine
-from sparse_engine.fastpath import ROLES, FastDecoder
-from sparse_engine.hooks import sparsified
-from sparse_engine.plan import Level, SparsityPlan
-from sparse_engine.recorder import SignalRecorder
-from sparse_engine.speed import SpeedRow, fast_speed, goals, stream_bandwidth
-from sparse_engine.stats_collect import collect_stats
+from sparse_engine.bench import speed_gpu
+from sparse_engine.bench.speed import SpeedRow, fast_speed, goals, stream_bandwidth
+from sparse_engine.calibration.allocation import thresholds_for, uniform_targets
+from sparse_engine.calibration.stats import collect_stats
+from sparse_engine.model.arch import UnsupportedModelError
+from sparse_engine.runtime import kernels
+from sparse_engine.runtime.engine import Engine
+from sparse_engine.runtime.fastpath import ROLES, FastDecoder
+from sparse_engine.sparsity.hooks import sparsified
+from sparse_engine.sparsity.plan import Level, SparsityPlan
+from sparse_engine.sparsity.recorder import SignalRecorder
 from tests.tiny import sample_texts, tiny_engine, tiny_model
 
 TEXT = "Once upon a time there was a little robot who"
@@ -172,7 +173,7 @@ def test_goals_are_judged_on_the_measured_rows() -> None:
 
 
 def test_the_gpu_benchmark_script_runs_on_a_config(tmp_path: Path) -> None:
-    """`sparse_engine.speed_gpu` is run on lent GPU machines; here it runs on the CPU on the
+    """`sparse_engine.bench.speed_gpu` is run on lent GPU machines; here it runs on the CPU on the
     tiny Llama's config, and its fast path decodes the reference's greedy tokens."""
     tiny_model("llama").model.config.save_pretrained(tmp_path)
     report = speed_gpu.run(str(tmp_path), "cpu", new_tokens=6, sparsity=0.5)

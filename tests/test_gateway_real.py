@@ -7,10 +7,10 @@ from pathlib import Path
 import openai
 import pytest
 
-from sparse_engine.artefacts import CalibrationStore
-from sparse_engine.engine import Engine
-from sparse_engine.loader import LoadedModel
-from sparse_engine.prefix_cache import PrefixCache
+from sparse_engine.calibration.store import CalibrationStore
+from sparse_engine.model.loader import LoadedModel
+from sparse_engine.runtime.engine import Engine
+from sparse_engine.runtime.prefix_cache import PrefixCache
 from tests.gateway_fixtures import RecordingSink, running_gateway, settings_for
 
 pytestmark = pytest.mark.slow

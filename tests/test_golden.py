@@ -19,11 +19,11 @@ from services.storage.db import make_engine, session_factory, upgrade
 from services.storage.models import GoldenRun
 from services.workers import golden, golden_set
 from services.workers.golden_set import GoldenItem
-from sparse_engine.artefacts import CalibrationStore
-from sparse_engine.corpora import MTBenchQuestion, mtbench_questions, mtbench_references
-from sparse_engine.engine import Engine
-from sparse_engine.loader import LoadedModel
-from sparse_engine.plan import Level
+from sparse_engine.calibration.store import CalibrationStore
+from sparse_engine.data.corpora import MTBenchQuestion, mtbench_questions, mtbench_references
+from sparse_engine.model.loader import LoadedModel
+from sparse_engine.runtime.engine import Engine
+from sparse_engine.sparsity.plan import Level
 from tests.tiny import tiny_engine
 
 T0 = datetime(2025, 6, 1, 3, 0, tzinfo=UTC)

@@ -24,10 +24,10 @@ from services.storage.db import make_engine, session_factory
 from services.storage.models import JobRun
 from services.workers.app import make_celery
 from services.workers.control import CALIBRATION_PUBLISHED, publish_calibration
-from sparse_engine.artefacts import CalibrationNotFoundError, CalibrationStore
-from sparse_engine.engine import Engine, GenerationRequest
-from sparse_engine.plan import Level, SparsityPlan
-from sparse_engine.prefix_cache import CacheKey, SparseCacheMismatchError
+from sparse_engine.calibration.store import CalibrationNotFoundError, CalibrationStore
+from sparse_engine.runtime.engine import Engine, GenerationRequest
+from sparse_engine.runtime.prefix_cache import CacheKey, SparseCacheMismatchError
+from sparse_engine.sparsity.plan import Level, SparsityPlan
 from tests.gateway_fixtures import GatedEngine, RecordingSink, running_gateway, settings_for
 from tests.polling import wait_until
 from tests.tiny import calibration_of, tiny_engine

@@ -37,7 +37,7 @@ from services.workers.golden import LevelDrift, store_runs
 from services.workers.jobs import ClaimedJob
 from services.workers.recalibration import _data, calibration_reason, pack, recent_prompts
 from services.workers.tasks import Context, schedule_once
-from sparse_engine.calibrate import CalibrationConfig
+from sparse_engine.calibration.pipeline import CalibrationConfig
 from tests.tiny import calibration_of, tiny_engine
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)

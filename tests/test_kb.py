@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from services.cli import main
 from services.storage import kb
 from services.storage.db import alembic_config, make_engine, session_factory, upgrade
-from sparse_engine.corpora import _HALUEVAL_QA, CORPORA, parse_halueval_knowledge
+from sparse_engine.data.corpora import _HALUEVAL_QA, CORPORA, parse_halueval_knowledge
 from tests.status_fixtures import migrated_database
 
 PASSAGES = [

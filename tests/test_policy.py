@@ -18,7 +18,7 @@ from services.gateway.policy import (
     level_for_entropy,
     sparseness_rank,
 )
-from sparse_engine.plan import Level
+from sparse_engine.sparsity.plan import Level
 
 # Equal counts of 2**k distinct characters give exactly k bits/char.
 THREE_BITS = string.ascii_lowercase[:8] * 4

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparse_engine.allocation import thresholds_for, uniform_targets
-from sparse_engine.engine import Engine, GenerationRequest
-from sparse_engine.plan import Level, SparsityPlan
-from sparse_engine.prefix_cache import CacheKey, PrefixCache, SparseCacheMismatchError
-from sparse_engine.scoring import score_answer
-from sparse_engine.stats_collect import collect_stats
+from sparse_engine.calibration.allocation import thresholds_for, uniform_targets
+from sparse_engine.calibration.stats import collect_stats
+from sparse_engine.runtime.engine import Engine, GenerationRequest
+from sparse_engine.runtime.prefix_cache import CacheKey, PrefixCache, SparseCacheMismatchError
+from sparse_engine.runtime.scoring import score_answer
+from sparse_engine.sparsity.plan import Level, SparsityPlan
 from tests.tiny import sample_texts, tiny_model
 
 SYSTEM = "You are a careful assistant. Answer briefly and cite nothing. " * 2

@@ -41,7 +41,7 @@ from services.workers import drift, golden
 from services.workers.control import publish_calibration
 from services.workers.golden_set import GoldenItem
 from services.workers.jobs import ClaimedJob
-from sparse_engine.engine import Engine
+from sparse_engine.runtime.engine import Engine
 from tests.aggregator_fixtures import running
 from tests.polling import wait_until
 from tests.tiny import calibration_of, tiny_engine

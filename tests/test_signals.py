@@ -9,8 +9,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sparse_engine import signals
-from sparse_engine.recorder import SignalRecorder
+from sparse_engine.sparsity import signals
+from sparse_engine.sparsity.recorder import SignalRecorder
 
 
 def test_kept_magnitude_share_is_kept_over_total() -> None:

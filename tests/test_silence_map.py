@@ -15,10 +15,17 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from services.cli import main
 from services.cli.silence import summary
 from services.silence_render import png_size, render_html, render_png
-from sparse_engine.calibrate import CalibrationConfig, CalibrationData, prepare_data
-from sparse_engine.loader import LoadedModel, wrap
-from sparse_engine.silence import SilenceMap, SilenceRule, Unit, UnitStats, diff, flag_silent
-from sparse_engine.silence_ablation import build_map, channels_zeroed, read_critical
+from sparse_engine.calibration.pipeline import CalibrationConfig, CalibrationData, prepare_data
+from sparse_engine.compression.silence import (
+    SilenceMap,
+    SilenceRule,
+    Unit,
+    UnitStats,
+    diff,
+    flag_silent,
+)
+from sparse_engine.compression.silence_map import build_map, channels_zeroed, read_critical
+from sparse_engine.model.loader import LoadedModel, wrap
 from tests.tiny import byte_tokenizer, sample_texts
 
 NUM_LAYERS = 4

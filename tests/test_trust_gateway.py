@@ -19,10 +19,10 @@ from services.gateway.fallback import SIMPLIFY
 from services.serving import serve
 from services.storage.db import make_engine, session_factory, upgrade
 from services.storage.kb import Passage, ingest
-from sparse_engine.engine import Engine, Generation, GenerationRequest
-from sparse_engine.plan import Level, SparsityPlan
-from sparse_engine.trust_model import TrustStore, fit
-from sparse_engine.trust_signals import RequestSignals
+from sparse_engine.runtime.engine import Engine, Generation, GenerationRequest
+from sparse_engine.sparsity.plan import Level, SparsityPlan
+from sparse_engine.trust.features import RequestSignals
+from sparse_engine.trust.model import TrustStore, fit
 from tests.gateway_fixtures import RecordingSink, running_gateway
 from tests.test_gateway_proxy import fake_upstream
 from tests.tiny import tiny_engine

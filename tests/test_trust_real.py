@@ -11,9 +11,9 @@ import pytest
 
 from services.cli import main
 from services.storage.kb import Passage
-from sparse_engine.artefacts import CalibrationStore
-from sparse_engine.engine import Engine
-from sparse_engine.loader import LoadedModel
+from sparse_engine.calibration.store import CalibrationStore
+from sparse_engine.model.loader import LoadedModel
+from sparse_engine.runtime.engine import Engine
 from tests.gateway_fixtures import RecordingSink, running_gateway
 from tests.test_trust_gateway import (
     FACT,

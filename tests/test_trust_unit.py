@@ -16,15 +16,21 @@ from services.gateway.fallback import route_action, simplified, with_passages
 from services.gateway.schemas import ChatInput
 from services.gateway.trust import RollingBaseline, TrustJudge
 from services.storage.kb import Hit
-from sparse_engine.plan import Level
-from sparse_engine.qa import QADataError, grade, load_qa, normalise, token_f1
-from sparse_engine.recorder import SignalSummary
-from sparse_engine.requests import GenerationRequest, GenerationStats
-from sparse_engine.scoring import score_answer
-from sparse_engine.trust_eval import QARecord, auroc
-from sparse_engine.trust_model import TrustModelNotFoundError, TrustStore, fit
-from sparse_engine.trust_report import report
-from sparse_engine.trust_signals import RequestSignals, SilenceBaseline, context_overlap, from_stats
+from sparse_engine.evaluation.ranking import auroc
+from sparse_engine.runtime.generation import GenerationRequest, GenerationStats
+from sparse_engine.runtime.scoring import score_answer
+from sparse_engine.sparsity.plan import Level
+from sparse_engine.sparsity.recorder import SignalSummary
+from sparse_engine.trust.evaluate import QARecord
+from sparse_engine.trust.features import (
+    RequestSignals,
+    SilenceBaseline,
+    context_overlap,
+    from_stats,
+)
+from sparse_engine.trust.model import TrustModelNotFoundError, TrustStore, fit
+from sparse_engine.trust.qa import QADataError, grade, load_qa, normalise, token_f1
+from sparse_engine.trust.report import report
 from tests.tiny import tiny_engine
 
 

@@ -19,7 +19,7 @@ import pytest
 from services.broker import accepts_connections
 from services.serving import free_port
 from services.supervisor import ChildFailedError, ChildSpec, Supervisor
-from sparse_engine.artefacts import CalibrationStore
+from sparse_engine.calibration.store import CalibrationStore
 from tests.polling import wait_until
 from tests.worker_fixtures import SPARSEGUARD, job_env
 

@@ -35,11 +35,11 @@ from services.workers import jobs
 from services.workers.app import make_celery
 from services.workers.beat import FileLock, RedisLock, wait_for_lock
 from services.workers.golden_set import GoldenItem, write_golden
-from sparse_engine.artefacts import CalibrationStore
-from sparse_engine.corpora import mtbench_questions, mtbench_references
-from sparse_engine.engine import Engine
-from sparse_engine.loader import LoadedModel
-from sparse_engine.plan import Level
+from sparse_engine.calibration.store import CalibrationStore
+from sparse_engine.data.corpora import mtbench_questions, mtbench_references
+from sparse_engine.model.loader import LoadedModel
+from sparse_engine.runtime.engine import Engine
+from sparse_engine.sparsity.plan import Level
 from tests.polling import wait_until
 from tests.worker_fixtures import (
     REDIS_URL,

@@ -16,13 +16,13 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from sparse_engine.allocation import thresholds_for, uniform_targets
-from sparse_engine.artefacts import Calibration
-from sparse_engine.engine import Engine
-from sparse_engine.loader import LoadedModel, wrap
-from sparse_engine.plan import Level, SparsityPlan
-from sparse_engine.prefix_cache import PrefixCache
-from sparse_engine.stats_collect import collect_stats
+from sparse_engine.calibration.allocation import thresholds_for, uniform_targets
+from sparse_engine.calibration.stats import collect_stats
+from sparse_engine.calibration.store import Calibration
+from sparse_engine.model.loader import LoadedModel, wrap
+from sparse_engine.runtime.engine import Engine
+from sparse_engine.runtime.prefix_cache import PrefixCache
+from sparse_engine.sparsity.plan import Level, SparsityPlan
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

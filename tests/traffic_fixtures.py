@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from services.broker import Broker
 from services.config import AlertSettings, EngineSettings, Settings, WebhookReceiver
 from services.storage.repository import upsert_calibration
-from sparse_engine.engine import Engine
+from sparse_engine.runtime.engine import Engine
 from tests.aggregator_fixtures import pipeline_settings
 
 LEVELS = ("conservative", "balanced")

@@ -11,12 +11,13 @@ from typing import Any
 import torch
 
 from services.cli import bench_gateway, bench_pipeline, bench_speed
-from services.cli.common import emit, emit_json, engine, middle_tokens
+from services.cli.common import emit, emit_json, engine
 from services.config import Settings
-from sparse_engine import corpora
-from sparse_engine.engine import Engine, GenerationRequest
-from sparse_engine.perplexity import perplexity
-from sparse_engine.plan import Level
+from sparse_engine.data import corpora
+from sparse_engine.data.splits import evaluation_tokens
+from sparse_engine.evaluation.perplexity import perplexity
+from sparse_engine.runtime.engine import Engine, GenerationRequest
+from sparse_engine.sparsity.plan import Level
 
 log = logging.getLogger(__name__)
 BENCH_PROMPT = (
@@ -49,7 +50,9 @@ def register(commands: Any) -> None:
 
 def run_quality(args: argparse.Namespace, settings: Settings) -> int:
     eng = engine(settings, args.model)
-    ids = middle_tokens(eng, corpora.load_texts(args.data, settings.cache_home), args.tokens)
+    ids = evaluation_tokens(
+        eng.lm.tokenizer, corpora.load_texts(args.data, settings.cache_home), args.tokens
+    )
     rows = []
     dense = None
     for level in [lv for lv in Level if lv in eng.plans]:

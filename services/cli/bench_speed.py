@@ -12,14 +12,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from services.cli.common import emit, emit_json, engine, middle_tokens
+from services.cli.common import emit, emit_json, engine
 from services.config import Settings
-from sparse_engine import corpora, kernels
-from sparse_engine.engine import Engine
-from sparse_engine.fastpath import DTYPES, FastDecoder
-from sparse_engine.models import DEFAULT_MODEL, gguf_file
-from sparse_engine.plan import SPARSE_LEVELS, Level
-from sparse_engine.speed import (
+from sparse_engine.bench.speed import (
     GB,
     SpeedRow,
     fast_perplexity,
@@ -29,6 +24,13 @@ from sparse_engine.speed import (
     reference_speed,
     stream_bandwidth,
 )
+from sparse_engine.data import corpora
+from sparse_engine.data.splits import evaluation_tokens
+from sparse_engine.model.catalog import DEFAULT_MODEL, gguf_file
+from sparse_engine.runtime import kernels
+from sparse_engine.runtime.engine import Engine
+from sparse_engine.runtime.fastpath import DTYPES, FastDecoder
+from sparse_engine.sparsity.plan import SPARSE_LEVELS, Level
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -62,7 +64,9 @@ def run_speed(args: argparse.Namespace, settings: Settings) -> int:
     messages = [{"role": "user", "content": PROMPT}]
     ids = eng.encode_messages(messages)
     texts = corpora.load_texts("wiki", settings.cache_home) if args.quality_tokens else []
-    held_out = middle_tokens(eng, texts, args.quality_tokens).tolist() if texts else []
+    held_out = (
+        evaluation_tokens(eng.lm.tokenizer, texts, args.quality_tokens).tolist() if texts else []
+    )
     max_len = max(len(ids) + args.new_tokens, len(held_out)) + 1
     levels = [Level.DENSE, *(lv for lv in SPARSE_LEVELS if lv in eng.plans)]
     rows: list[SpeedRow] = []

@@ -12,10 +12,10 @@ from services.cli.common import emit, emit_json, load, store
 from services.config import Settings
 from services.storage.db import make_engine, session_factory, upgrade
 from services.storage.repository import calibration_row, upsert_calibration
-from sparse_engine import corpora
-from sparse_engine.artefacts import Calibration
-from sparse_engine.calibrate import CalibrationConfig, calibrate, prepare_data
-from sparse_engine.plan import SPARSE_LEVELS, Level
+from sparse_engine.calibration.pipeline import CalibrationConfig, calibrate, prepare_data
+from sparse_engine.calibration.store import Calibration
+from sparse_engine.data import corpora
+from sparse_engine.sparsity.plan import SPARSE_LEVELS, Level
 
 log = logging.getLogger(__name__)
 

@@ -10,11 +10,10 @@ import torch
 
 from services.config import Settings
 from services.engine_setup import configure_fast_path
-from sparse_engine.artefacts import CalibrationStore
-from sparse_engine.calibrate import shuffled
-from sparse_engine.engine import Engine
-from sparse_engine.loader import LoadedModel, load_model
-from sparse_engine.models import resolve_model
+from sparse_engine.calibration.store import CalibrationStore
+from sparse_engine.model.catalog import resolve_model
+from sparse_engine.model.loader import LoadedModel, load_model
+from sparse_engine.runtime.engine import Engine
 
 
 def emit(text: str) -> None:
@@ -41,15 +40,3 @@ def engine(settings: Settings, model: str | None, fast: bool = True) -> Engine:
     """The calibrated engine; `fast=False` keeps it on the Hugging Face reference path."""
     built = Engine.from_store(load(settings, model), store(settings))
     return configure_fast_path(built, settings) if fast else built
-
-
-def middle_tokens(eng: Engine, texts: list[str], count: int) -> torch.Tensor:
-    """Tokens from the middle of the corpus in calibration's document order: calibration
-    samples come from its front and held-out text from its back, so the middle is unseen."""
-    ids: list[int] = []
-    texts = shuffled(texts)
-    for text in texts[len(texts) // 2 :] or texts:
-        ids.extend(eng.lm.tokenizer(text, add_special_tokens=False)["input_ids"])
-        if len(ids) >= count:
-            break
-    return torch.tensor(ids[:count])

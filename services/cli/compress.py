@@ -12,13 +12,21 @@ import torch
 from tqdm import tqdm
 
 from services.cli.bench import measure
-from services.cli.common import emit, emit_json, load, middle_tokens
+from services.cli.common import emit, emit_json, load
 from services.config import Settings
-from sparse_engine import corpora
-from sparse_engine.calibrate import shuffled
-from sparse_engine.engine import Engine
-from sparse_engine.loader import LoadedModel
-from sparse_engine.masking import (
+from sparse_engine.compression.prune import intermediate_sizes, prune, pruned_copy, verify
+from sparse_engine.compression.semi24 import (
+    compliance_table,
+    input_norms,
+    semi24_copy,
+    time_semi_structured,
+)
+from sparse_engine.data import corpora
+from sparse_engine.data.splits import evaluation_tokens, front_documents
+from sparse_engine.evaluation.perplexity import PerplexityResult, perplexity
+from sparse_engine.model.loader import LoadedModel
+from sparse_engine.runtime.engine import Engine
+from sparse_engine.sparsity.masking import (
     ChannelMask,
     map_weights_sha256,
     mask_from_map,
@@ -27,10 +35,7 @@ from sparse_engine.masking import (
     read_bias_like,
     read_silent_channels,
 )
-from sparse_engine.perplexity import PerplexityResult, perplexity
-from sparse_engine.plan import Level, SparsityPlan
-from sparse_engine.prune import intermediate_sizes, prune, pruned_copy, verify
-from sparse_engine.semi24 import compliance_table, input_norms, semi24_copy, time_semi_structured
+from sparse_engine.sparsity.plan import Level, SparsityPlan
 
 log = logging.getLogger(__name__)
 VERIFY_PROMPTS = (
@@ -158,8 +163,8 @@ def run_compress_eval(args: argparse.Namespace, settings: Settings) -> int:
             "pass --silent-layers or a map with confirmed silent channels"
         )
     dense_engine = Engine(lm, {})
-    ids = middle_tokens(
-        dense_engine, corpora.load_texts(args.data, settings.cache_home), args.tokens
+    ids = evaluation_tokens(
+        lm.tokenizer, corpora.load_texts(args.data, settings.cache_home), args.tokens
     )
     pruned = pruned_copy(lm, channels, bias_like)
     rows = []
@@ -207,7 +212,7 @@ def run_semi24(args: argparse.Namespace, settings: Settings) -> int:
     roles = tuple(r.strip() for r in args.roles.split(",") if r.strip())
     lm = load(settings, args.model)
     texts = corpora.load_texts(args.data, settings.cache_home)
-    ids = middle_tokens(Engine(lm, {}), texts, args.tokens)
+    ids = evaluation_tokens(lm.tokenizer, texts, args.tokens)
     before = compliance_table(lm.layers, roles)
     norms = input_norms(lm, _front_batches(lm, texts), roles) if args.wanda else None
     sparse = semi24_copy(lm, roles, norms)
@@ -242,7 +247,7 @@ def _front_batches(lm: LoadedModel, texts: list[str], count: int = 8) -> list[to
     encode = lm.tokenizer
     batches = [
         torch.tensor([encode(t, add_special_tokens=False)["input_ids"][:256]])
-        for t in shuffled(texts)[:count]
+        for t in front_documents(texts, count)
     ]
     return [b for b in batches if b.numel() > 1]
 

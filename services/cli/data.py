@@ -7,8 +7,8 @@ from typing import Any
 
 from services.cli.common import emit
 from services.config import Settings
-from sparse_engine import corpora
-from sparse_engine.models import resolve_model
+from sparse_engine.data import corpora
+from sparse_engine.model.catalog import resolve_model
 
 
 def register(commands: Any) -> None:

@@ -13,7 +13,7 @@ import httpx
 
 from services.cli.common import emit
 from services.config import Settings
-from sparse_engine import corpora
+from sparse_engine.data import corpora
 
 log = logging.getLogger(__name__)
 SPARSE = ("conservative", "balanced", "aggressive")

@@ -14,7 +14,7 @@ from services.cli.common import emit, load
 from services.config import Settings
 from services.workers.golden import freeze
 from services.workers.golden_set import load_golden, read_prompts, write_golden
-from sparse_engine.engine import Engine
+from sparse_engine.runtime.engine import Engine
 
 log = logging.getLogger(__name__)
 

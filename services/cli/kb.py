@@ -17,7 +17,7 @@ from services.cli.common import emit, emit_json
 from services.config import Settings
 from services.storage import kb as knowledge
 from services.storage.db import make_engine, masked_url, session_factory, upgrade
-from sparse_engine.corpora import load_texts
+from sparse_engine.data.corpora import load_texts
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from services.cli.common import emit
 from services.config import Settings
-from sparse_engine import kernels
+from sparse_engine.runtime import kernels
 
 log = logging.getLogger(__name__)
 

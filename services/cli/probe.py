@@ -9,9 +9,9 @@ from typing import Any
 
 from services.cli.common import emit, emit_json, engine, store
 from services.config import Settings
-from sparse_engine.artefacts import CalibrationNotFoundError
-from sparse_engine.engine import GenerationRequest, GenerationStats
-from sparse_engine.plan import Level
+from sparse_engine.calibration.store import CalibrationNotFoundError
+from sparse_engine.runtime.engine import GenerationRequest, GenerationStats
+from sparse_engine.sparsity.plan import Level
 
 BUILTIN_SAMPLE = "Explain in two sentences why the sky looks blue during the day and red at sunset."
 # A probe task names the domain of the input; the engine prefers a calibration made on it.

@@ -15,10 +15,10 @@ from tqdm import tqdm
 from services.cli.common import emit, load
 from services.config import Settings
 from services.silence_render import render_html, render_png
-from sparse_engine import corpora
-from sparse_engine.calibrate import CalibrationConfig, prepare_data
-from sparse_engine.silence import LayerMap, SilenceMap, SilenceRule, diff
-from sparse_engine.silence_ablation import METRICS, build_map, read_critical
+from sparse_engine.calibration.pipeline import CalibrationConfig, prepare_data
+from sparse_engine.compression.silence import LayerMap, SilenceMap, SilenceRule, diff
+from sparse_engine.compression.silence_map import METRICS, build_map, read_critical
+from sparse_engine.data import corpora
 
 log = logging.getLogger(__name__)
 MAP_FILE = "silence-map"

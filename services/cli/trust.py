@@ -11,12 +11,12 @@ from tqdm import tqdm
 
 from services.cli.common import emit, emit_json, engine
 from services.config import Settings
-from sparse_engine.engine import Engine
-from sparse_engine.plan import Level
-from sparse_engine.qa import HALUEVAL, load_qa
-from sparse_engine.trust_eval import QARecord, RecordSet, collect
-from sparse_engine.trust_model import TrustModel, TrustStore, fit
-from sparse_engine.trust_report import TrustReport, report
+from sparse_engine.runtime.engine import Engine
+from sparse_engine.sparsity.plan import Level
+from sparse_engine.trust.evaluate import QARecord, RecordSet, collect
+from sparse_engine.trust.model import TrustModel, TrustStore, fit
+from sparse_engine.trust.qa import HALUEVAL, load_qa
+from sparse_engine.trust.report import TrustReport, report
 
 log = logging.getLogger(__name__)
 EVAL_OFFSET = 5000  # evaluation reads HaluEval's second half; fitting starts at item 0

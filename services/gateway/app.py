@@ -25,11 +25,11 @@ from services.gateway.routes_system import router as system_router
 from services.gateway.runtime import Runtime, TelemetrySink
 from services.gateway.status import router as status_router
 from services.gateway.worker import EngineWorker
-from sparse_engine.artefacts import CalibrationStore
-from sparse_engine.engine import Engine
-from sparse_engine.loader import load_model
-from sparse_engine.models import resolve_model
-from sparse_engine.prefix_cache import PrefixCache
+from sparse_engine.calibration.store import CalibrationStore
+from sparse_engine.model.catalog import resolve_model
+from sparse_engine.model.loader import load_model
+from sparse_engine.runtime.engine import Engine
+from sparse_engine.runtime.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from services.config import Settings
 from services.telemetry.delivery import is_reachable, servers
 from services.telemetry.topics import ensure_topics, topic_specs
 from services.workers.control import decode
-from sparse_engine.artefacts import Calibration, CalibrationNotFoundError, CalibrationStore
-from sparse_engine.engine import Engine
+from sparse_engine.calibration.store import Calibration, CalibrationNotFoundError, CalibrationStore
+from sparse_engine.runtime.engine import Engine
 
 log = logging.getLogger(__name__)
 

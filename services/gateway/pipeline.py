@@ -22,10 +22,10 @@ from services.gateway.schemas import ChatInput
 from services.gateway.trust import Trust
 from services.gateway.upstream import stream_upstream
 from services.gateway.worker import Emit, Job, JobFn, QueueFullError
-from sparse_engine.artefacts import CalibrationNotFoundError
-from sparse_engine.plan import Level, SparsityPlan
-from sparse_engine.requests import GenerationRequest, GenerationStats, Message
-from sparse_engine.scoring import score_answer
+from sparse_engine.calibration.store import CalibrationNotFoundError
+from sparse_engine.runtime.generation import GenerationRequest, GenerationStats, Message
+from sparse_engine.runtime.scoring import score_answer
+from sparse_engine.sparsity.plan import Level, SparsityPlan
 
 log = logging.getLogger(__name__)
 

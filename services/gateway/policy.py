@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from sparse_engine.plan import Level
-from sparse_engine.signals import entropy_bits_per_char
+from sparse_engine.sparsity.plan import Level
+from sparse_engine.sparsity.signals import entropy_bits_per_char
 
 AUTO: Final = "auto"
 CONSERVATIVE_BELOW_BITS = 3.2

@@ -14,7 +14,7 @@ from services.gateway.deps import AdminDep, RuntimeDep
 from services.gateway.errors import ApiError
 from services.storage.models import JobRun
 from services.workers.jobs import JobView, submit
-from sparse_engine.plan import SPARSE_LEVELS, Level
+from sparse_engine.sparsity.plan import SPARSE_LEVELS, Level
 
 router = APIRouter(prefix="/admin")
 JobId = Annotated[int, Path(ge=1, le=2**63 - 1)]  # a database integer

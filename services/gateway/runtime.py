@@ -16,7 +16,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.trust import TrustJudge, load_judge
 from services.gateway.worker import EngineWorker
 from services.telemetry.schema import TelemetryEvent
-from sparse_engine.engine import Engine
+from sparse_engine.runtime.engine import Engine
 
 if TYPE_CHECKING:
     from celery import Celery

@@ -10,10 +10,10 @@ import math
 from dataclasses import dataclass, replace
 
 from services.config import Settings, TrustSettings
-from sparse_engine.plan import Level
-from sparse_engine.requests import GenerationStats
-from sparse_engine.trust_model import TrustModel, TrustModelNotFoundError, TrustStore
-from sparse_engine.trust_signals import RequestSignals, from_stats, rule_score
+from sparse_engine.runtime.generation import GenerationStats
+from sparse_engine.sparsity.plan import Level
+from sparse_engine.trust.features import RequestSignals, from_stats, rule_score
+from sparse_engine.trust.model import TrustModel, TrustModelNotFoundError, TrustStore
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from services.storage.models import (
     RequestSummary,
     WindowSnapshot,
 )
-from sparse_engine.artefacts import Calibration
+from sparse_engine.calibration.store import Calibration
 
 
 def _insert(session: Session, entity: type[Base]) -> postgresql.Insert | sqlite.Insert:

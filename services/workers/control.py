@@ -12,7 +12,7 @@ from kafka import KafkaProducer
 
 from services.config import TelemetrySettings
 from services.telemetry.topics import ensure_topics, topic_specs
-from sparse_engine.artefacts import Calibration
+from sparse_engine.calibration.store import Calibration
 
 CALIBRATION_PUBLISHED = "io.sparseguard.calibration.published.v1"
 SEND_TIMEOUT_S = 15.0

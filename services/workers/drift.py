@@ -19,11 +19,11 @@ from services.storage.repository import set_flag
 from services.workers import golden, jobs
 from services.workers.golden_set import load_golden
 from services.workers.jobs import ClaimedJob
-from sparse_engine.artefacts import CalibrationStore
-from sparse_engine.engine import Engine
-from sparse_engine.loader import load_model
-from sparse_engine.models import resolve_model
-from sparse_engine.plan import Level
+from sparse_engine.calibration.store import CalibrationStore
+from sparse_engine.model.catalog import resolve_model
+from sparse_engine.model.loader import load_model
+from sparse_engine.runtime.engine import Engine
+from sparse_engine.sparsity.plan import Level
 
 log = logging.getLogger(__name__)
 DAY = timedelta(hours=24)

@@ -22,10 +22,10 @@ from tqdm import tqdm
 from services.config import Settings
 from services.storage.models import GoldenRun
 from services.workers.golden_set import GoldenItem, write_golden
-from sparse_engine.corpora import MTBenchQuestion, mtbench_questions, mtbench_references
-from sparse_engine.engine import Engine
-from sparse_engine.plan import Level
-from sparse_engine.requests import GenerationRequest, GenerationStats
+from sparse_engine.data.corpora import MTBenchQuestion, mtbench_questions, mtbench_references
+from sparse_engine.runtime.engine import Engine
+from sparse_engine.runtime.generation import GenerationRequest, GenerationStats
+from sparse_engine.sparsity.plan import Level
 
 log = logging.getLogger(__name__)
 

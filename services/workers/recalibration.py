@@ -20,12 +20,17 @@ from services.storage.models import RequestSummary
 from services.storage.repository import calibration_row, upsert_calibration
 from services.workers.control import publish_calibration
 from services.workers.jobs import ClaimedJob
-from sparse_engine import corpora
-from sparse_engine.artefacts import Calibration, CalibrationStore
-from sparse_engine.calibrate import CalibrationConfig, CalibrationData, calibrate, prepare_data
-from sparse_engine.loader import LoadedModel, load_model
-from sparse_engine.models import resolve_model
-from sparse_engine.plan import Level
+from sparse_engine.calibration.pipeline import (
+    CalibrationConfig,
+    CalibrationData,
+    calibrate,
+    prepare_data,
+)
+from sparse_engine.calibration.store import Calibration, CalibrationStore
+from sparse_engine.data import corpora
+from sparse_engine.model.catalog import resolve_model
+from sparse_engine.model.loader import LoadedModel, load_model
+from sparse_engine.sparsity.plan import Level
 
 log = logging.getLogger(__name__)
 TRAFFIC_DOC_CHARS = 1000  # prompts are short: pack them into samples of about 256 tokens

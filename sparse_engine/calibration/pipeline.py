@@ -1,0 +1,234 @@
+"""Calibration pipeline: data -> activation statistics -> greedy allocation -> the highest
+sparsity within each level's perplexity budget on held-out text -> versioned artefacts."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sparse_engine.calibration.allocation import (
+    error_curves,
+    greedy_path,
+    thresholds_for,
+    uniform_targets,
+    unit_widths,
+)
+from sparse_engine.calibration.sensitivity import scale_curves, unit_sensitivity
+from sparse_engine.calibration.stats import ActivationStats, collect_stats, quantile_threshold
+from sparse_engine.calibration.store import Calibration
+from sparse_engine.data.splits import CorpusTooSmallError, calibration_split
+from sparse_engine.evaluation.perplexity import PerplexityResult, perplexity
+from sparse_engine.model.loader import LoadedModel
+from sparse_engine.sparsity.plan import DEFAULT_BUDGETS_PCT, Level, SparsityPlan
+
+log = logging.getLogger(__name__)
+SEARCH_GRID = tuple(i / 40 for i in range(2, 37))  # mean sparsity 0.05 .. 0.90
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationConfig:
+    samples: int = 100
+    seq_len: int = 256
+    min_tokens: int = 32
+    heldout_tokens: int = 4096
+    sparsifier: str = "threshold"
+    roles: tuple[str, ...] = ("down",)
+    budgets_pct: dict[Level, float] = field(default_factory=lambda: dict(DEFAULT_BUDGETS_PCT))
+    silence_quantile: float = 0.5
+    max_rows: int = 256
+    sensitivity_tokens: int = 256
+    confidence_z: float = 1.0  # standard errors of margin under each level's budget
+
+
+@dataclass(slots=True)
+class CalibrationData:
+    batches: list[torch.Tensor]
+    heldout: torch.Tensor
+    name: str
+
+
+def prepare_data(
+    tokenizer: Any, texts: list[str], cfg: CalibrationConfig, name: str
+) -> CalibrationData:
+    """Calibration samples and held-out tokens under the one split policy (`data.splits`)."""
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    try:
+        batches, heldout = calibration_split(
+            encode,
+            texts,
+            samples=cfg.samples,
+            seq_len=cfg.seq_len,
+            min_tokens=cfg.min_tokens,
+            heldout_tokens=cfg.heldout_tokens,
+        )
+    except CorpusTooSmallError as exc:
+        raise ValueError(
+            f"corpus '{name}' is too small: {exc}; lower --samples or use a larger corpus"
+        ) from exc
+    return CalibrationData([torch.tensor([ids]) for ids in batches], torch.tensor(heldout), name)
+
+
+class LevelSearch:
+    """Evaluates held-out perplexity along one path of sparser and sparser plans."""
+
+    def __init__(
+        self,
+        name: str,
+        lm: LoadedModel,
+        data: CalibrationData,
+        dense: PerplexityResult,
+        plan_at: Callable[[float], SparsityPlan],
+        confidence_z: float = 1.0,
+    ) -> None:
+        self.name, self.lm, self.data, self.dense, self.plan_at = name, lm, data, dense, plan_at
+        self.confidence_z = confidence_z
+        self.results: dict[float, PerplexityResult] = {}
+
+    def change_pct(self, target: float) -> float:
+        if target not in self.results:
+            plan = self.plan_at(target)
+            self.results[target] = perplexity(
+                self.lm.model, self.lm.layers, self.data.heldout, plan
+            )
+            log.info(
+                "%s allocation, target %.3f: sparsity %.3f, perplexity %+.2f%% (upper %+.2f%%)",
+                self.name,
+                target,
+                self.results[target].sparsity,
+                self._pct(target),
+                self.upper_pct(target),
+            )
+        return self._pct(target)
+
+    def upper_pct(self, target: float) -> float:
+        """The perplexity increase plus `confidence_z` standard errors (paired per token)."""
+        self.change_pct(target)
+        return self.results[target].change_pct(self.dense, self.confidence_z)
+
+    def best_within(self, budget_pct: float) -> float:
+        """Largest grid target whose perplexity increase stays within the budget with
+        `confidence_z` standard errors to spare (bisection). The margin keeps the choice from
+        overfitting the held-out sample: the level must hold on text it has not seen."""
+        lo, hi = -1, len(SEARCH_GRID)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.upper_pct(SEARCH_GRID[mid]) <= budget_pct:
+                lo = mid
+            else:
+                hi = mid
+        return SEARCH_GRID[lo] if lo >= 0 else 0.0
+
+    def _pct(self, target: float) -> float:
+        return 100.0 * (self.results[target].perplexity / self.dense.perplexity - 1.0)
+
+
+def calibrate(
+    lm: LoadedModel,
+    data: CalibrationData,
+    levels: list[Level],
+    cfg: CalibrationConfig,
+    progress: Callable[[int], None] | None = None,
+) -> list[Calibration]:
+    """One calibration per sparse level: the sparsest plan within its budget, over every
+    candidate allocation (uniform, greedy) so that the better one per level wins."""
+    started = time.monotonic()
+    roles = tuple(sorted(set(cfg.roles) | {"down"}))
+    stats = collect_stats(lm.model, lm.layers, data.batches, roles, cfg.max_rows, progress=progress)
+    silence = tuple(
+        quantile_threshold(stats.histogram("down", p.index), cfg.silence_quantile)
+        for p in lm.layers
+    )
+    dense = perplexity(lm.model, lm.layers, data.heldout, SparsityPlan())
+    log.info("dense perplexity %.3f on %d held-out tokens", dense.perplexity, dense.num_tokens)
+    searches = [
+        LevelSearch(name, lm, data, dense, plan_at, cfg.confidence_z)
+        for name, plan_at in _plan_builders(lm, stats, cfg, silence, data).items()
+    ]
+    calibrations = []
+    for level in levels:
+        budget = cfg.budgets_pct[level]
+        search, target = _best(searches, budget)
+        plan = search.plan_at(target)
+        result = search.results.get(target) or perplexity(lm.model, lm.layers, data.heldout, plan)
+        cal = Calibration(
+            model_id=lm.model_id,
+            weights_sha256=lm.weights_sha256,
+            level=level.value,
+            sparsifier=cfg.sparsifier,
+            allocation=search.name,
+            thresholds={role: list(v) for role, v in plan.thresholds.items()},
+            topk=list(plan.topk) if plan.topk is not None else None,
+            silence_thresholds=list(silence),
+            target_sparsity=target,
+            realised_sparsity=result.sparsity,
+            perplexity_dense=dense.perplexity,
+            perplexity_sparse=result.perplexity,
+            budget_pct=budget,
+            data=_data_record(data, stats, cfg),
+            duration_s=round(time.monotonic() - started, 1),
+        )
+        calibrations.append(cal)
+    return calibrations
+
+
+def _best(searches: list[LevelSearch], budget: float) -> tuple[LevelSearch, float]:
+    """The sparsest target within budget over all searches; ties go to lower perplexity."""
+    found = [(s.best_within(budget), s) for s in searches]
+    target, search = max(found, key=lambda f: (f[0], -f[1].change_pct(f[0]) if f[0] else 0.0))
+    return search, target
+
+
+def _plan_builders(
+    lm: LoadedModel,
+    stats: ActivationStats,
+    cfg: CalibrationConfig,
+    silence: tuple[float, ...],
+    data: CalibrationData,
+) -> dict[str, Callable[[float], SparsityPlan]]:
+    if cfg.sparsifier == "topk":
+        width = int(lm.model.config.hidden_size)
+        return {
+            "uniform": lambda target: SparsityPlan(
+                topk=tuple(max(1, round(width * (1 - target))) for _ in lm.layers),
+                silence_thresholds=silence,
+            )
+        }
+    if cfg.sparsifier != "threshold":
+        raise ValueError(f"unknown sparsifier '{cfg.sparsifier}'; choose threshold or topk")
+    curves = error_curves(stats, lm.layers, cfg.roles)
+    batch = torch.cat([b[0] for b in data.batches])[: cfg.sensitivity_tokens].unsqueeze(0)
+    sensitivity = unit_sensitivity(lm.model, lm.layers, stats, batch, sorted(curves))
+    path = greedy_path(scale_curves(curves, sensitivity), unit_widths(lm.layers, cfg.roles))
+
+    def uniform(target: float) -> SparsityPlan:
+        targets = uniform_targets(stats, cfg.roles, target)
+        return SparsityPlan(thresholds=thresholds_for(stats, targets), silence_thresholds=silence)
+
+    def greedy(target: float) -> SparsityPlan:
+        return SparsityPlan(
+            thresholds=thresholds_for(stats, path.at(target)), silence_thresholds=silence
+        )
+
+    return {"uniform": uniform, "greedy": greedy}
+
+
+def _data_record(
+    data: CalibrationData, stats: ActivationStats, cfg: CalibrationConfig
+) -> dict[str, Any]:
+    return {
+        "corpus": data.name,
+        "samples": len(data.batches),
+        "calibration_tokens": stats.num_tokens,
+        "heldout_tokens": int(data.heldout.numel()),
+        "seq_len": cfg.seq_len,
+        "roles": list(cfg.roles),
+        "confidence_z": cfg.confidence_z,
+    }

@@ -1,0 +1,345 @@
+"""The sparse engine: streams tokens from a decoder under a level's sparsity plan and ends
+with a stats object holding every per-request signal."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from sparse_engine.calibration.store import CalibrationNotFoundError, CalibrationStore
+from sparse_engine.model.arch import UnsupportedModelError
+from sparse_engine.model.loader import LoadedModel
+from sparse_engine.runtime.fastpath import FastDecoder
+from sparse_engine.runtime.generation import Generation, GenerationRequest, GenerationStats, Message
+from sparse_engine.runtime.prefix_cache import CacheKey, PrefixCache, SparseCacheMismatchError
+from sparse_engine.runtime.sampling import sample_next
+from sparse_engine.runtime.textstream import TextStream
+from sparse_engine.sparsity import signals
+from sparse_engine.sparsity.hooks import sparsified
+from sparse_engine.sparsity.masking import ChannelMask, masked
+from sparse_engine.sparsity.plan import SPARSE_LEVELS, Level, SparsityPlan
+from sparse_engine.sparsity.recorder import SignalRecorder
+
+__all__ = ["Engine", "Generation", "GenerationRequest", "GenerationStats", "Message"]
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """One model, its level plans, and generation. Hooks live only for the duration of a
+    forward pass, so the model is dense whenever no request is running. Not thread-safe: run
+    one request at a time per engine; only `install` may be called from another thread."""
+
+    def __init__(
+        self,
+        lm: LoadedModel,
+        plans: dict[Level, SparsityPlan],
+        prefix_cache: PrefixCache | None = None,
+        mask: ChannelMask | None = None,
+    ) -> None:
+        self.lm = lm
+        self.plans = {Level.DENSE: SparsityPlan(), **plans}
+        self.prefix_cache = prefix_cache
+        self.mask: ChannelMask | None = None
+        self.set_mask(mask)
+        self._keeps_logits = "logits_to_keep" in inspect.signature(lm.model.forward).parameters
+        self.fast: FastDecoder | None = None
+
+    def enable_fast_path(
+        self, dtype: str = "float32", native: Any = None, max_len: int = 2048
+    ) -> None:
+        """Decode with the lean path (`sparse_engine.runtime.fastpath`; `native` is the compiled
+        module) wherever it applies: a Llama-family model, a threshold plan, no channel mask,
+        a sequence within `max_len`. Other requests take the Hugging Face path."""
+        try:
+            self.fast = FastDecoder(self.lm, max_len, dtype, native)
+        except UnsupportedModelError as exc:
+            log.info("fast decode path off for %s: %s", self.lm.model_id, exc)
+
+    @classmethod
+    def from_store(
+        cls, lm: LoadedModel, store: CalibrationStore, prefix_cache: PrefixCache | None = None
+    ) -> Engine:
+        """Bind each sparse level to its latest calibration for this model's weights."""
+        plans = {}
+        for level in SPARSE_LEVELS:
+            try:
+                plans[level] = store.latest(lm.weights_sha256, level).plan()
+            except CalibrationNotFoundError:
+                continue
+        if plans:
+            plans[Level.DENSE] = next(iter(plans.values())).as_dense()
+        return cls(lm, plans, prefix_cache)
+
+    def plan(self, level: Level | SparsityPlan) -> SparsityPlan:
+        """The level's current plan; a plan passed in (pinned when a request was admitted) is
+        returned as is, so the request runs on it even after an `install`."""
+        if isinstance(level, SparsityPlan):
+            return level
+        plan = self.plans.get(level)
+        if plan is None:
+            raise CalibrationNotFoundError(
+                f"level '{level.value}' has no calibration for {self.lm.model_id}; "
+                f"run `sparseguard calibrate --level {level.value}`"
+            )
+        return plan
+
+    def install(self, plan: SparsityPlan) -> None:
+        """Make `plan` its level's plan for requests admitted from now on. The plans dict is
+        replaced, never changed in place, so a reader on another thread sees the old or the
+        new one whole. The dense plan gets the silence reference if it had none."""
+        if plan.level is Level.DENSE:
+            raise ValueError("the dense level has no calibration to install")
+        self._check_fits(plan)
+        plans = {**self.plans, plan.level: plan}
+        if plans[Level.DENSE].silence_thresholds is None:
+            plans[Level.DENSE] = plan.as_dense()
+        self.plans = plans
+
+    def set_mask(self, mask: ChannelMask | None) -> None:
+        """Plan A: mask silent channels / layers in every forward pass from now on, under
+        every level (the mask acts as part of the model; sparsity plans apply on top)."""
+        if mask is not None:
+            mask.check_fits(self.lm.layers)
+        self.mask = mask if mask is not None and not mask.is_empty else None
+
+    def _check_fits(self, plan: SparsityPlan) -> None:
+        per_layer = [*plan.thresholds.values(), plan.topk, plan.silence_thresholds]
+        lengths = {len(values) for values in per_layer if values is not None}
+        if lengths - {self.lm.num_layers}:
+            raise ValueError(
+                f"plan {plan.calibration_version} has per-layer settings for "
+                f"{sorted(lengths)} layers but {self.lm.model_id} has {self.lm.num_layers}"
+            )
+
+    def encode(self, request: GenerationRequest) -> tuple[list[int], str]:
+        """Token ids of the prompt (chat template applied to messages) and its plain text."""
+        if request.messages is not None:
+            return self.encode_messages(request.messages), _plain(request.messages)
+        if request.prompt is not None:
+            return self.encode_text(request.prompt), request.prompt
+        raise ValueError("a request needs messages or a prompt")
+
+    def encode_messages(self, messages: list[Message]) -> list[int]:
+        text = self.lm.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        return self.encode_text(text)
+
+    def encode_text(self, text: str) -> list[int]:
+        return list(self.lm.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def check_length(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        context = int(getattr(self.lm.model.config, "max_position_embeddings", 0) or 0)
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        if context and prompt_tokens + max_new_tokens > context:
+            raise ValueError(
+                f"prompt of {prompt_tokens} tokens plus max_new_tokens={max_new_tokens} exceeds "
+                f"the model's context of {context} tokens; shorten the prompt or lower max_tokens"
+            )
+
+    def generate(
+        self, request: GenerationRequest, level: Level | SparsityPlan = Level.DENSE
+    ) -> Generation:
+        """Stream under `level`'s current plan, or under the given (pinned) plan."""
+        plan = self.plan(level)
+        ids, plain = self.encode(request)
+        self.check_length(len(ids), request.max_new_tokens)
+        generation = Generation()
+        generation._deltas = self._stream(generation, request, plan, ids, plain)
+        return generation
+
+    def semantic_drift(
+        self, prompt_ids: list[int], generated: list[int], sparse_logits: torch.Tensor
+    ) -> float:
+        """Mean token-level KL(dense || sparse) over the generated tokens, by teacher-forcing
+        the sparse output through the dense model (one forward pass)."""
+        if not generated:
+            return 0.0
+        ids = torch.tensor([prompt_ids + generated[:-1]])
+        with torch.inference_mode(), masked(self.lm.layers, self.mask):
+            dense = self.lm.model(input_ids=ids).logits[0, len(prompt_ids) - 1 :]
+        return float(signals.token_kl(dense, sparse_logits).mean())
+
+    def _stream(
+        self,
+        out: Generation,
+        request: GenerationRequest,
+        plan: SparsityPlan,
+        prompt_ids: list[int],
+        plain: str,
+    ) -> Iterator[str]:
+        recorder = _recorder(self, plan, request.collect_signals)
+        decoder = TextStream(self.lm.tokenizer, request.stop)
+        seed = request.seed
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        eos = set() if request.ignore_eos else _eos_ids(self.lm)
+        generated: list[int] = []
+        kept_logits: list[torch.Tensor] = []
+        confidence = _TokenConfidence()
+        finish = "length"
+        started = time.perf_counter()
+        fast = self._fast_for(plan, len(prompt_ids) + request.max_new_tokens)
+        with (
+            torch.inference_mode(),
+            masked(self.lm.layers, self.mask),
+            sparsified(self.lm.layers, plan, recorder) if fast is None else nullcontext(),
+        ):
+            if fast is None:
+                cache, cached, mismatch = self._cache_for(request, plan, prompt_ids)
+            else:
+                reusable = prompt_ids if request.use_prefix_cache else []
+                cached, mismatch = fast.reuse(reusable, plan), False
+            next_input = torch.tensor([prompt_ids[cached:]])
+            token = -1
+            for step in range(request.max_new_tokens):
+                if fast is None:
+                    logits = self._forward(next_input, cache, recorder)
+                elif step == 0:
+                    logits = fast.prefill(prompt_ids[cached:], plan, recorder)
+                else:
+                    logits = fast.step(token, plan, recorder)
+                if step == 0:
+                    first_token_at = time.perf_counter()
+                    if fast is None:
+                        self._remember(request, plan, prompt_ids, cache)
+                if request.measure_drift and not plan.is_dense:
+                    kept_logits.append(logits.float())
+                token = sample_next(logits, request.temperature, request.top_p, generator)
+                if recorder is not None:
+                    confidence.observe(logits, token)
+                if token in eos:
+                    finish = "stop"
+                    break
+                generated.append(token)
+                delta, stopped = decoder.push(generated)
+                if delta:
+                    yield delta
+                if stopped or out.cancelled.is_set():
+                    finish = "stop" if stopped else "cancelled"
+                    break
+                next_input = torch.tensor([[token]])
+        tail = decoder.flush()
+        if tail:
+            yield tail
+        ended = time.perf_counter()
+        drift = None
+        if request.measure_drift:
+            drift = 0.0
+            if not plan.is_dense and generated:
+                sparse = torch.stack(kept_logits[: len(generated)])
+                drift = self.semantic_drift(prompt_ids, generated, sparse)
+        decode_s = ended - first_token_at
+        out.stats = GenerationStats(
+            text=decoder.text,
+            level=plan.level.value,
+            calibration_version=plan.calibration_version,
+            prompt_tokens=len(prompt_ids),
+            completion_tokens=len(generated),
+            finish_reason=finish,
+            time_to_first_token_s=first_token_at - started,
+            total_s=ended - started,
+            decode_tokens_per_s=(len(generated) - 1) / decode_s if len(generated) > 1 else 0.0,
+            prefill_tokens_per_s=(len(prompt_ids) - cached) / max(first_token_at - started, 1e-9),
+            input_entropy_bits_per_char=signals.entropy_bits_per_char(plain),
+            signals=recorder.summary() if recorder is not None else None,
+            semantic_drift_kl=drift,
+            cached_tokens=cached,
+            cache_mismatch=mismatch,
+            token_ids=generated,
+            token_logprobs=confidence.logprobs,
+            token_entropies=confidence.entropies,
+        )
+
+    def _fast_for(self, plan: SparsityPlan, tokens: int) -> FastDecoder | None:
+        fast = self.fast
+        if fast is None or self.mask is not None or not fast.supports(plan, tokens):
+            return None
+        return fast
+
+    def _cache_for(
+        self, request: GenerationRequest, plan: SparsityPlan, prompt_ids: list[int]
+    ) -> tuple[DynamicCache, int, bool]:
+        """A KV cache for the prompt: a reused prefix when one was built under the same plan,
+        otherwise empty. Returns (cache, reused tokens, whether a mismatch was refused)."""
+        fresh = DynamicCache(config=self.lm.model.config)
+        if self.prefix_cache is None or not request.use_prefix_cache:
+            return fresh, 0, False
+        try:
+            cache, cached = self.prefix_cache.lookup(self._cache_key(plan), prompt_ids)
+        except SparseCacheMismatchError:
+            return fresh, 0, True
+        return (cache, cached, False) if cache is not None else (fresh, 0, False)
+
+    def _remember(
+        self, request: GenerationRequest, plan: SparsityPlan, prompt_ids: list[int], cache: Any
+    ) -> None:
+        if self.prefix_cache is not None and request.use_prefix_cache:
+            self.prefix_cache.store(self._cache_key(plan), prompt_ids, copy.deepcopy(cache))
+
+    def _cache_key(self, plan: SparsityPlan) -> CacheKey:
+        # KV values depend on the mask too, so a masked engine keys its entries apart.
+        model_id = (
+            self.lm.model_id if self.mask is None else f"{self.lm.model_id}#{self.mask.digest()}"
+        )
+        return CacheKey(model_id, plan.calibration_version, plan.level.value)
+
+    def _forward(
+        self, ids: torch.Tensor, cache: DynamicCache, recorder: SignalRecorder | None
+    ) -> torch.Tensor:
+        kwargs: dict[str, Any] = {"logits_to_keep": 1} if self._keeps_logits else {}
+        if recorder is not None:
+            recorder.begin_step()
+        logits = self.lm.model(input_ids=ids, cache=cache, use_cache=True, **kwargs).logits[0, -1]
+        if recorder is not None:
+            recorder.end_step()
+        return logits  # type: ignore[no-any-return]
+
+
+class _TokenConfidence:
+    """Log-probability of each chosen token and the entropy it was drawn from; kept as
+    tensors and read once at the end, so a step costs one log-softmax and no sync."""
+
+    def __init__(self) -> None:
+        self._logprobs: list[torch.Tensor] = []
+        self._entropies: list[torch.Tensor] = []
+
+    def observe(self, logits: torch.Tensor, token: int) -> None:
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        self._logprobs.append(logp[token])
+        self._entropies.append(signals.entropy_nats(logp))
+
+    @property
+    def logprobs(self) -> list[float]:
+        return torch.stack(self._logprobs).tolist() if self._logprobs else []
+
+    @property
+    def entropies(self) -> list[float]:
+        return torch.stack(self._entropies).tolist() if self._entropies else []
+
+
+def _recorder(engine: Engine, plan: SparsityPlan, enabled: bool) -> SignalRecorder | None:
+    return SignalRecorder(engine.lm.num_layers, plan.silence_thresholds) if enabled else None
+
+
+def _plain(messages: list[Message]) -> str:
+    return "\n".join(m["content"] for m in messages)
+
+
+def _eos_ids(lm: LoadedModel) -> set[int]:
+    found: set[int] = set()
+    config = getattr(lm.model, "generation_config", None)
+    for value in (lm.tokenizer.eos_token_id, getattr(config, "eos_token_id", None)):
+        if isinstance(value, int):
+            found.add(value)
+        elif isinstance(value, list):
+            found.update(v for v in value if isinstance(v, int))
+    return found

@@ -1,0 +1,343 @@
+"""A lean decode path for Llama-family decoders. The weights are taken out of the Hugging Face
+model once, stored input-major (row i of a projection is what its input i adds) in float32,
+bfloat16 or int8, with q/k/v and gate/up fused; the KV cache is preallocated. A calibrated
+plan's thresholds on projection inputs (any of q, k, v, o, gate, up, down) decide which weight
+rows a decode step reads. With the compiled module (`runtime.kernels`) a decode step is
+one call that runs every layer and reads only the rows of kept activations; without it, one
+Python loop over the layers with a PyTorch row gather. A prefill is the masked dense product,
+as the hooks compute it. Signals are recorded as the hooks record them, summed per layer and
+handed to the recorder once per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+from sparse_engine.model.arch import UnsupportedModelError
+from sparse_engine.model.loader import LoadedModel
+from sparse_engine.runtime.kernels import torch_rows_matvec
+from sparse_engine.sparsity import signals
+from sparse_engine.sparsity.plan import SparsityPlan
+from sparse_engine.sparsity.recorder import LayerCounts, SignalRecorder
+
+ROLES = ("q", "k", "v", "o", "gate", "up", "down")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+
+
+@dataclass(frozen=True, slots=True)
+class _Matrix:
+    """One or more projections of the same input, fused and stored input-major (in, out);
+    `parts` names each one's columns. int8 weights carry one scale per row."""
+
+    rows: torch.Tensor
+    scale: torch.Tensor | None
+    parts: tuple[tuple[str, int, int], ...]
+
+    @classmethod
+    def of(cls, modules: dict[str, Any], dtype: torch.dtype) -> _Matrix:
+        weights = [m.weight.detach().float() for m in modules.values()]
+        rows = torch.cat(weights).T.contiguous()
+        parts, start = [], 0
+        for role, w in zip(modules, weights, strict=True):
+            parts.append((role, start, start + w.shape[0]))
+            start += w.shape[0]
+        scale = None
+        if dtype == torch.int8:
+            scale = (rows.abs().amax(1) / 127).clamp_min(1e-12)
+            rows = (rows / scale[:, None]).round().to(torch.int8)
+        return cls(rows.to(dtype), scale, tuple(parts))
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.numel() * self.rows.element_size()
+
+    def float_rows(self) -> torch.Tensor:
+        rows = self.rows.float()
+        return rows * self.scale[:, None] if self.scale is not None else rows
+
+
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    attn_norm: torch.Tensor
+    qkv: _Matrix
+    o: _Matrix
+    mlp_norm: torch.Tensor
+    gate_up: _Matrix
+    down: _Matrix
+
+
+class FastDecoder:
+    """One sequence at a time. `prefill(ids)` then `step(token)`; both return the logits of
+    the last position. Not thread-safe; `reset()` starts a new sequence. `native` is the
+    compiled module (`sparse_engine.runtime.kernels.load`); None runs the PyTorch fallback."""
+
+    def __init__(
+        self, lm: LoadedModel, max_len: int = 2048, dtype: str = "float32", native: Any = None
+    ) -> None:
+        model: Any = lm.model
+        cfg = model.config
+        if getattr(cfg, "model_type", "") not in ("llama", "mistral", "qwen2"):
+            raise UnsupportedModelError(
+                f"the fast path supports Llama-family decoders, not {cfg.model_type!r}; "
+                "the reference path serves it"
+            )
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown weight type {dtype!r}; choose one of {', '.join(DTYPES)}")
+        self.lm = lm
+        self.dtype = dtype
+        self.native = native
+        self.kernel = native.rows_matvec if native is not None else torch_rows_matvec
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.eps = cfg.rms_norm_eps
+        self.max_len = max_len
+        self.layers = [_extract(layer, DTYPES[dtype]) for layer in model.model.layers]
+        self.embed = model.model.embed_tokens.weight.detach()
+        self.norm = model.model.norm.weight.detach()
+        self.head = _Matrix.of({"head": model.lm_head}, DTYPES[dtype])
+        self.device = self.embed.device  # the PyTorch fallback runs wherever the model is
+        positions = torch.arange(max_len, device=self.device)[None]
+        cos, sin = model.model.rotary_emb(self.embed[:1][None], positions)
+        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # (max_len, head_dim)
+        shape = (len(self.layers), self.kv_heads, max_len, self.head_dim)
+        self.keys = torch.zeros(shape, dtype=self.embed.dtype, device=self.device)
+        self.values = torch.zeros(shape, dtype=self.embed.dtype, device=self.device)
+        widths = {layer.down.rows.shape[0] for layer in self.layers}
+        if len(widths) > 1:
+            raise UnsupportedModelError("the fast path needs one MLP width in every layer")
+        self.channels = torch.zeros(len(self.layers), widths.pop(), device=self.device)
+        self.counts = torch.zeros(len(self.layers), 5, dtype=torch.float64)  # see Layers.step
+        self.dense_weights = float(sum(m.rows.numel() for m in _matrices(self.layers[0])))
+        self._limits: tuple[SparsityPlan, torch.Tensor] | None = None
+        self.tokens: list[int] = []  # the sequence in the KV cache
+        self._cached_plan: SparsityPlan | None = None  # the plan it was computed under
+        self.length = 0
+        self.weights_read = 0.0  # projection weights read by decode steps
+        self.weights_total = 0.0  # and those dense steps would read
+        if native is not None:
+            if self.device.type != "cpu":
+                raise ValueError("the compiled kernels run on the CPU; pass native=None")
+            self._layers = native.Layers(self.heads, self.kv_heads, self.head_dim, self.eps)
+            for layer in self.layers:
+                mats = [native.Matrix(m.rows, m.scale) for m in _matrices(layer)]
+                self._layers.add(layer.attn_norm, layer.mlp_norm, mats)
+
+    @property
+    def read_share(self) -> float:
+        """Share of the projections' weights the decode steps read."""
+        return self.weights_read / self.weights_total if self.weights_total else 1.0
+
+    def weight_bytes(self, read_share: float = 1.0) -> float:
+        """Weight bytes one decode step reads, with `read_share` of the projection rows."""
+        projections = sum(m.nbytes for layer in self.layers for m in _matrices(layer))
+        return float(projections * read_share + self.head.nbytes)
+
+    def reset(self) -> None:
+        self.length = 0
+        self.tokens = []
+
+    def supports(self, plan: SparsityPlan, tokens: int) -> bool:
+        """Whether this path can run `plan` over a sequence of `tokens`."""
+        return (
+            not set(plan.thresholds) - set(ROLES) and plan.topk is None and tokens <= self.max_len
+        )
+
+    def reuse(self, ids: list[int], plan: SparsityPlan) -> int:
+        """Keep the cached prefix `ids` shares with the last sequence (under the same plan
+        object) and return its length; at least the last token is left to prefill."""
+        common = 0
+        if plan is self._cached_plan:
+            limit = min(len(ids) - 1, len(self.tokens))
+            while common < limit and ids[common] == self.tokens[common]:
+                common += 1
+        self.length = common
+        del self.tokens[common:]
+        self._cached_plan = plan
+        return common
+
+    def prefill(
+        self, ids: list[int], plan: SparsityPlan, recorder: SignalRecorder | None = None
+    ) -> torch.Tensor:
+        return self._forward(torch.tensor(ids, device=self.device), plan, recorder)
+
+    @torch.inference_mode()
+    def step(
+        self, token: int, plan: SparsityPlan, recorder: SignalRecorder | None = None
+    ) -> torch.Tensor:
+        if self.native is None:
+            return self._forward(torch.tensor([token], device=self.device), plan, recorder)
+        pos = self.length
+        if pos >= self.max_len:
+            raise ValueError(f"the sequence would exceed the fast path's {self.max_len} tokens")
+        limits = self._thresholds(plan)
+        x = self.embed[token].clone()
+        self._layers.step(
+            x, self.keys, self.values, self.cos[pos], self.sin[pos], pos, limits,
+            self.channels, self.counts,
+        )  # fmt: skip
+        self.length = pos + 1
+        self.tokens.append(token)
+        self.weights_read += float(self.counts[:, 4].sum())
+        self.weights_total += self.dense_weights * len(self.layers)
+        if recorder is not None:
+            recorder.begin_step()
+            recorder.observe_layers(self.counts[:, :4], self.channels, 1)
+            recorder.end_step()
+        h = F.rms_norm(x, self.norm.shape, self.norm, self.eps)
+        logits: torch.Tensor = self.kernel(h, self.head.rows, self.head.scale, -1.0)[0]
+        return logits
+
+    def _thresholds(self, plan: SparsityPlan) -> torch.Tensor:
+        """The plan as a (layers, roles) float64 table, -1 where a role is dense."""
+        self._check(plan)
+        if self._limits is None or self._limits[0] is not plan:
+            table = torch.full((len(self.layers), len(ROLES)), -1.0, dtype=torch.float64)
+            for role, per_layer in plan.thresholds.items():
+                table[:, ROLES.index(role)] = torch.tensor(per_layer, dtype=torch.float64)
+            self._limits = (plan, table)
+        return self._limits[1]
+
+    @staticmethod
+    def _check(plan: SparsityPlan) -> None:
+        if set(plan.thresholds) - set(ROLES) or plan.topk is not None:
+            raise ValueError(
+                f"the fast path runs threshold plans on {', '.join(ROLES)}; the reference "
+                "path serves Top-K and other roles"
+            )
+
+    @torch.inference_mode()
+    def _forward(
+        self, ids: torch.Tensor, plan: SparsityPlan, recorder: SignalRecorder | None
+    ) -> torch.Tensor:
+        start, n = self.length, ids.shape[0]
+        if start + n > self.max_len:
+            raise ValueError(f"the sequence would exceed the fast path's {self.max_len} tokens")
+        self._check(plan)
+        counts = LayerCounts.empty(len(self.layers)) if recorder is not None else None
+        x = self.embed[ids]
+        for i, layer in enumerate(self.layers):
+            limits = {role: t[i] for role, t in plan.thresholds.items()}
+            h = F.rms_norm(x, layer.attn_norm.shape, layer.attn_norm, self.eps)
+            attn = self._attention(i, self._project(i, layer.qkv, h, limits, counts), start)
+            x = x + self._project(i, layer.o, attn, limits, counts)
+            h = F.rms_norm(x, layer.mlp_norm.shape, layer.mlp_norm, self.eps)
+            gate, up = self._project(i, layer.gate_up, h, limits, counts).chunk(2, dim=-1)
+            a = F.silu(gate) * up
+            if recorder is not None:
+                torch.sum(a.abs(), 0, out=self.channels[i])
+            x = x + self._project(i, layer.down, a, limits, counts)
+        self.length = start + n
+        self.tokens.extend(ids.tolist())
+        if recorder is not None and counts is not None:
+            recorder.begin_step()
+            recorder.observe_layers(counts.tensor(), self.channels, n)
+            recorder.end_step()
+        h = F.rms_norm(x[-1:], self.norm.shape, self.norm, self.eps)
+        return self._project(-1, self.head, h, {}, None)[0]
+
+    def _project(
+        self,
+        i: int,
+        m: _Matrix,
+        x: torch.Tensor,
+        limits: dict[str, float],
+        counts: LayerCounts | None,
+    ) -> torch.Tensor:
+        """x (n, in) through the fused matrix, each part at its role's threshold."""
+        width = x.shape[-1]
+        if len({limits.get(role) for role, _, _ in m.parts}) == 1:  # one product for all parts
+            groups = [(limits.get(m.parts[0][0]), 0, m.parts[-1][2], len(m.parts))]
+        else:
+            groups = [(limits.get(role), begin, end, 1) for role, begin, end in m.parts]
+        if x.shape[0] > 1:
+            return self._project_many(i, m, x, groups, counts)
+        outputs = []
+        for limit, begin, end, parts in groups:
+            y, kept, kept_abs, total_abs = self.kernel(
+                x[0], m.rows, m.scale, -1.0 if limit is None else limit, begin, end
+            )
+            outputs.append(y)
+            if i >= 0:
+                self.weights_read += kept * (end - begin)
+                self.weights_total += width * (end - begin)
+            if limit is not None and counts is not None:
+                share = kept_abs / total_abs if total_abs > 0 else 1.0
+                for _ in range(parts):  # the hooks see each part's input on its own
+                    counts.add(i, width, kept, share, 1)
+        return (outputs[0] if len(outputs) == 1 else torch.cat(outputs))[None]
+
+    def _project_many(
+        self,
+        i: int,
+        m: _Matrix,
+        x: torch.Tensor,
+        groups: list[tuple[float | None, int, int, int]],
+        counts: LayerCounts | None,
+    ) -> torch.Tensor:
+        """A prefill: the masked dense product, as the hooks compute it."""
+        rows = m.float_rows()
+        outputs = []
+        for limit, begin, end, parts in groups:
+            if limit is None:
+                outputs.append(x @ rows[:, begin:end])
+                continue
+            magnitude = x.abs()
+            kept = magnitude > limit
+            outputs.append((x * kept) @ rows[:, begin:end])
+            if counts is not None:
+                share = float(signals.kept_magnitude_share(magnitude, kept).sum())
+                for _ in range(parts):
+                    counts.add(i, x.numel(), int(kept.sum()), share, x.shape[0])
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+
+    def _attention(self, i: int, qkv: torch.Tensor, start: int) -> torch.Tensor:
+        n, hd = qkv.shape[0], self.head_dim
+        widths = [self.heads * hd, self.kv_heads * hd, self.kv_heads * hd]
+        q, k, v = torch.split(qkv, widths, dim=-1)
+        cos, sin = self.cos[start : start + n], self.sin[start : start + n]
+        q = _rope(q.view(n, self.heads, hd).transpose(0, 1), cos, sin)
+        k = _rope(k.view(n, self.kv_heads, hd).transpose(0, 1), cos, sin)
+        end = start + n
+        self.keys[i, :, start:end] = k
+        self.values[i, :, start:end] = v.view(n, self.kv_heads, hd).transpose(0, 1)
+        out = F.scaled_dot_product_attention(
+            q[None],
+            self.keys[i, :, :end][None],
+            self.values[i, :, :end][None],
+            attn_mask=_causal(n, end, self.device) if n > 1 else None,
+            enable_gqa=True,
+        )
+        return out[0].transpose(0, 1).reshape(n, self.heads * hd)
+
+
+def _matrices(layer: _Layer) -> tuple[_Matrix, _Matrix, _Matrix, _Matrix]:
+    return layer.qkv, layer.o, layer.gate_up, layer.down
+
+
+def _extract(layer: Any, dtype: torch.dtype) -> _Layer:
+    attn, mlp = layer.self_attn, layer.mlp
+    if attn.q_proj.bias is not None or mlp.down_proj.bias is not None:
+        raise UnsupportedModelError("the fast path supports projections without biases")
+    return _Layer(
+        attn_norm=layer.input_layernorm.weight.detach(),
+        qkv=_Matrix.of({"q": attn.q_proj, "k": attn.k_proj, "v": attn.v_proj}, dtype),
+        o=_Matrix.of({"o": attn.o_proj}, dtype),
+        mlp_norm=layer.post_attention_layernorm.weight.detach(),
+        gate_up=_Matrix.of({"gate": mlp.gate_proj, "up": mlp.up_proj}, dtype),
+        down=_Matrix.of({"down": mlp.down_proj}, dtype),
+    )
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def _causal(n: int, end: int, device: torch.device) -> torch.Tensor:
+    """Boolean mask for n new positions ending at `end`: each sees the cache and itself."""
+    return torch.ones(n, end, dtype=torch.bool, device=device).tril(diagonal=end - n)

@@ -1,0 +1,78 @@
+"""What a caller asks the engine for, and what it gets back."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from sparse_engine.sparsity.recorder import SignalSummary
+
+Message = dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    messages: list[Message] | None = None
+    prompt: str | None = None
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    measure_drift: bool = False
+    collect_signals: bool = True
+    ignore_eos: bool = False
+    use_prefix_cache: bool = True
+
+
+@dataclass(slots=True)
+class GenerationStats:
+    text: str
+    level: str
+    calibration_version: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str  # stop | length | cancelled
+    time_to_first_token_s: float
+    total_s: float
+    decode_tokens_per_s: float
+    prefill_tokens_per_s: float
+    input_entropy_bits_per_char: float
+    signals: SignalSummary | None
+    semantic_drift_kl: float | None = None
+    cached_tokens: int = 0
+    cache_mismatch: bool = False
+    token_ids: list[int] = field(default_factory=list)
+    # Per generated position: log-probability of the chosen token and entropy of the
+    # distribution it was drawn from (nats), under the level that produced it.
+    token_logprobs: list[float] = field(default_factory=list)
+    token_entropies: list[float] = field(default_factory=list)
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class Generation:
+    """Iterate for text deltas; `stats` is set once iteration ends. `cancel()` (from any
+    thread) stops decoding after the current token; the stats then say `cancelled`."""
+
+    def __init__(self) -> None:
+        self._deltas: Iterator[str] = iter(())
+        self.stats: GenerationStats | None = None
+        self.cancelled = threading.Event()
+
+    def __iter__(self) -> Iterator[str]:
+        return self._deltas
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def result(self) -> GenerationStats:
+        """Run to the end and return the stats."""
+        for _ in self:
+            pass
+        if self.stats is None:
+            raise RuntimeError("generation ended without stats")
+        return self.stats

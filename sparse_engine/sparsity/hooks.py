@@ -1,0 +1,90 @@
+"""Sparsity as removable hooks: forward pre-hooks zero small inputs of linear projections
+(threshold sparsifier), forward hooks keep the Top-K dims of attention/MLP block outputs
+before the residual add. Leaving `sparsified(...)` removes every hook."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from sparse_engine.model.arch import LayerParts
+from sparse_engine.sparsity.plan import SparsityPlan
+from sparse_engine.sparsity.recorder import SignalRecorder
+
+
+@contextmanager
+def sparsified(
+    layers: list[LayerParts], plan: SparsityPlan, recorder: SignalRecorder | None = None
+) -> Iterator[None]:
+    """Apply `plan` to the model whose `layers` are given, for the duration of the block."""
+    handles: list[RemovableHandle] = []
+    try:
+        for part in layers:
+            handles.extend(_attach(part, plan, recorder))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _attach(
+    part: LayerParts, plan: SparsityPlan, recorder: SignalRecorder | None
+) -> list[RemovableHandle]:
+    handles = []
+    for role, per_layer in plan.thresholds.items():
+        hook = _threshold_hook(part.index, per_layer[part.index], recorder, role == "down")
+        handles.append(part.get(role).register_forward_pre_hook(hook))
+    if recorder is not None and "down" not in plan.thresholds:
+        hook = _channel_hook(part.index, recorder)
+        handles.append(part.get("down").register_forward_pre_hook(hook))
+    if plan.topk is not None:
+        k = plan.topk[part.index]
+        for role in ("attn", "mlp"):
+            handles.append(
+                part.get(role).register_forward_hook(_topk_hook(part.index, k, recorder))
+            )
+    return handles
+
+
+def _threshold_hook(
+    layer: int, threshold: float, recorder: SignalRecorder | None, is_mlp_input: bool
+) -> Any:
+    def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        x = args[0]
+        magnitude = x.abs()
+        kept = magnitude > threshold
+        if recorder is not None:
+            recorder.observe_sparsified(layer, magnitude, kept)
+            if is_mlp_input:
+                recorder.observe_channels(layer, magnitude)
+        return (x * kept, *args[1:])
+
+    return hook
+
+
+def _channel_hook(layer: int, recorder: SignalRecorder) -> Any:
+    def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+        recorder.observe_channels(layer, args[0].abs())
+
+    return hook
+
+
+def _topk_hook(layer: int, k: int, recorder: SignalRecorder | None) -> Any:
+    def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        h = output[0] if isinstance(output, tuple) else output
+        magnitude = h.abs()
+        if k >= h.shape[-1]:
+            kept = torch.ones_like(h, dtype=torch.bool)
+        else:
+            index = magnitude.topk(k, dim=-1).indices
+            kept = torch.zeros_like(h, dtype=torch.bool).scatter_(-1, index, True)
+        if recorder is not None:
+            recorder.observe_sparsified(layer, magnitude, kept)
+        return (h * kept, *output[1:]) if isinstance(output, tuple) else h * kept
+
+    return hook

@@ -1,0 +1,101 @@
+"""Does the trust signal work? The model answers QA items; each answer is graded and kept with
+its signals as a record (cached as JSONL, so fitting and evaluating reuse the same answers);
+AUROC says how well a score ranks wrong answers above right ones."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from sparse_engine.runtime.engine import Engine
+from sparse_engine.runtime.generation import GenerationRequest
+from sparse_engine.sparsity.plan import Level
+from sparse_engine.trust.features import RequestSignals, from_stats
+from sparse_engine.trust.qa import QAItem, grade, qa_messages
+
+log = logging.getLogger(__name__)
+RECORD_FORMAT = 2  # 2 added the channel probe; older records are answered again
+
+
+@dataclass(slots=True)
+class QARecord:
+    index: int
+    answer: str
+    contains: bool
+    f1: float
+    correct: bool
+    signals: RequestSignals
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, line: str) -> QARecord:
+        data = json.loads(line)
+        return cls(**{**data, "signals": RequestSignals.from_dict(data["signals"])})
+
+
+@dataclass(frozen=True, slots=True)
+class RecordSet:
+    """Where the answers to one data spec, under one engine setup, are kept."""
+
+    root: Path
+    data: str
+    model: str
+    calibration: str
+    max_new_tokens: int
+
+    @property
+    def path(self) -> Path:
+        slug = re.sub(r"[^A-Za-z0-9]+", "-", f"{self.data}-{self.model}-{self.calibration}").strip(
+            "-"
+        )
+        return self.root / f"{slug}-{self.max_new_tokens}t-v{RECORD_FORMAT}.jsonl"
+
+    def load(self) -> dict[int, QARecord]:
+        if not self.path.is_file():
+            return {}
+        lines = self.path.read_text(encoding="utf-8").splitlines()
+        return {r.index: r for r in map(QARecord.from_json, filter(None, lines))}
+
+
+def answer(engine: Engine, item: QAItem, index: int, level: Level, max_new_tokens: int) -> QARecord:
+    """Greedy answer at `level`, with drift measured, graded against the gold answers."""
+    messages = qa_messages(item)
+    request = GenerationRequest(
+        messages=messages, max_new_tokens=max_new_tokens, measure_drift=True, use_prefix_cache=False
+    )
+    stats = engine.generate(request, level).result()
+    g = grade(stats.text, item.answers)
+    signals = from_stats(stats, messages[0]["content"])
+    return QARecord(index, stats.text, g.contains, g.f1, g.correct, signals)
+
+
+def collect(
+    engine: Engine,
+    items: Sequence[QAItem],
+    indices: Sequence[int],
+    level: Level,
+    records: RecordSet,
+    progress: Callable[[int], object] = lambda _: None,
+) -> list[QARecord]:
+    """Records for `indices` of `items`: cached ones are read back, missing ones are answered
+    and appended as they come, so an interrupted run resumes where it stopped."""
+    cached = records.load()
+    records.path.parent.mkdir(parents=True, exist_ok=True)
+    out = []
+    with records.path.open("a", encoding="utf-8") as sink:
+        for index in indices:
+            record = cached.get(index)
+            if record is None:
+                record = answer(engine, items[index], index, level, records.max_new_tokens)
+                sink.write(record.to_json() + "\n")
+                sink.flush()
+            out.append(record)
+            progress(1)
+    return out

@@ -1,0 +1,133 @@
+"""The trust evaluation report: AUROC for predicting a wrong answer, for the trust score (as
+shipped: lower trust should mean wrong), for each raw signal and for the baselines (each in its
+better direction, which the report names)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sparse_engine.evaluation.ranking import auroc
+from sparse_engine.trust.evaluate import QARecord
+from sparse_engine.trust.features import RequestSignals, SilenceBaseline, rule_score
+from sparse_engine.trust.model import TrustModel
+
+Reader = Callable[[RequestSignals], float]
+_SIGNALS: dict[str, Reader] = {
+    "late_silence": lambda s: s.late_silence,
+    "gate_confidence": lambda s: s.gate_confidence,
+    "gate_entropy": lambda s: s.gate_entropy,
+    "drift_kl": lambda s: s.drift_kl or 0.0,
+    "sparsity_ratio": lambda s: s.sparsity_ratio,
+    "activation_stability": lambda s: s.activation_stability,
+    "context_overlap": lambda s: s.context_overlap,
+    "min_logprob": lambda s: s.min_logprob,
+    "max_entropy": lambda s: s.max_entropy,
+}
+BASELINES: dict[str, Reader] = {
+    "answer_length": lambda s: float(s.length),
+    "mean_logprob": lambda s: s.mean_logprob,
+    "mean_entropy": lambda s: s.mean_entropy,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    name: str
+    kind: str  # trust | rule | signal | baseline
+    auroc: float
+    direction: str
+
+
+@dataclass(frozen=True, slots=True)
+class TrustReport:
+    n: int
+    right: int
+    mean_f1: float
+    trust_model: str | None
+    held_out: bool | None
+    rows: list[Row]
+    silence_wrong: float
+    silence_right: float
+
+    @property
+    def trust_auroc(self) -> float:
+        return next(r.auroc for r in self.rows if r.kind == "trust")
+
+    @property
+    def best_baseline(self) -> str:
+        return max((r for r in self.rows if r.kind == "baseline"), key=lambda r: r.auroc).name
+
+    @property
+    def best_baseline_auroc(self) -> float:
+        return max(r.auroc for r in self.rows if r.kind == "baseline")
+
+    @property
+    def silence_moves(self) -> str:
+        if self.silence_wrong == self.silence_right:
+            return "no difference"
+        return (
+            "higher on wrong answers"
+            if self.silence_wrong > self.silence_right
+            else ("lower on wrong answers")
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **dataclasses.asdict(self),
+            "trust_auroc": self.trust_auroc,
+            "best_baseline": self.best_baseline,
+            "best_baseline_auroc": self.best_baseline_auroc,
+            "silence_moves": self.silence_moves,
+        }
+
+
+def report(
+    records: Sequence[QARecord], model: TrustModel | None, data: dict[str, Any] | None
+) -> TrustReport:
+    wrong = [not r.correct for r in records]
+    signals = [r.signals for r in records]
+    baseline = (
+        model.baseline if model else SilenceBaseline.of([s.silence_per_layer for s in signals])
+    )
+    trust: Reader = model.score if model else rule_score
+    rows = [Row("trust_score", "trust", auroc([1 - trust(s) for s in signals], wrong), "lower")]
+    if model:
+        rows.append(_row("rule_score", "rule", [1 - rule_score(s) for s in signals], wrong))
+    deviation = [baseline.deviation(s.silence_per_layer) for s in signals]
+    rows.append(_row("silence_deviation", "signal", deviation, wrong))
+    rows += [_row(n, "signal", list(map(f, signals)), wrong) for n, f in _SIGNALS.items()]
+    rows += [_row(n, "baseline", list(map(f, signals)), wrong) for n, f in BASELINES.items()]
+    late_wrong = [s.late_silence for s, w in zip(signals, wrong, strict=True) if w]
+    late_right = [s.late_silence for s, w in zip(signals, wrong, strict=True) if not w]
+    return TrustReport(
+        n=len(records),
+        right=sum(r.correct for r in records),
+        mean_f1=sum(r.f1 for r in records) / max(len(records), 1),
+        trust_model=model.version if model else None,
+        held_out=_held_out(model, data) if model and data else None,
+        rows=rows,
+        silence_wrong=_mean(late_wrong),
+        silence_right=_mean(late_right),
+    )
+
+
+def _row(name: str, kind: str, values: list[float], wrong: list[bool]) -> Row:
+    """AUROC in the signal's better direction, and that direction."""
+    a = auroc(values, wrong)
+    return Row(name, kind, max(a, 1 - a), "higher" if a >= 0.5 else "lower")
+
+
+def _held_out(model: TrustModel, data: dict[str, Any]) -> bool:
+    fitted = model.fit_data
+    if fitted.get("data") != data["data"]:
+        return True
+    start, end = int(fitted["offset"]), int(fitted["offset"]) + int(fitted["n"])
+    first, last = int(data["offset"]), int(data["offset"]) + int(data["n"])
+    return last <= start or first >= end
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
