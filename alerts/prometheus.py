@@ -1,6 +1,7 @@
 """Our rules as Prometheus alerting rules over the metrics the services export:
-`to_prometheus(rules)` (the rule-file mapping), `export_prometheus(rules)` (its YAML text,
-deterministic) and `metric_names(rules)` (every metric the expressions read).
+`to_prometheus(rules, series)` (the rule-file mapping), `export_prometheus(rules, series)` (its
+YAML text, deterministic) and `metric_names(rules, series)` (every metric the expressions read),
+where `series` maps our metric names to the exported Prometheus series.
 
 Window rules read the aggregator's `sparseguard_window_*` gauges with `{window="..."}` and
 match other gauges of the same (model, level, window). The aggregator exports an unknown
@@ -13,22 +14,17 @@ metric has no exported series yet (see `unexported`) are left out of the export.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import yaml
 
 from alerts.definitions import Relative, Rule
 from alerts.durations import format_duration
-from services.aggregator.metrics import WINDOW_GAUGES
 
-# Our metric names -> the exported Prometheus series.
-SERIES: dict[str, str] = {
-    **WINDOW_GAUGES,
-    "consumer_lag_events": "sparseguard_aggregator_consumer_lag_events",
-    "spool_bytes": "sparseguard_telemetry_spool_bytes",
-    "golden_check_age_s": "sparseguard_golden_check_age_seconds",
-    "golden_drift_bleu": "sparseguard_golden_drift_bleu_points",
-}
+# Our metric names -> the exported Prometheus series; the services own that map
+# (`services.aggregator.metrics.ALERT_SERIES`) and pass it in.
+Series = Mapping[str, str]
 MATCH = "on(model, level, window)"
 GROUP = "sparseguard"
 HEADER = (
@@ -37,40 +33,43 @@ HEADER = (
 )
 
 
-def to_prometheus(rules: list[Rule]) -> dict[str, Any]:
+def to_prometheus(rules: list[Rule], series: Series) -> dict[str, Any]:
     """The Prometheus rule file for the exportable `rules`, as a mapping."""
-    return {"groups": [{"name": GROUP, "rules": [_alert(r) for r in rules if exportable(r)]}]}
+    alerts = [_alert(r, series) for r in rules if exportable(r, series)]
+    return {"groups": [{"name": GROUP, "rules": alerts}]}
 
 
-def export_prometheus(rules: list[Rule]) -> str:
-    """`to_prometheus(rules)` as YAML, with a header naming the rules left out."""
+def export_prometheus(rules: list[Rule], series: Series) -> str:
+    """`to_prometheus(rules, series)` as YAML, with a header naming the rules left out."""
     skipped = "".join(
         f"# Not exported (no Prometheus series for {r.metric!r} yet): {r.name}\n"
-        for r in unexported(rules)
+        for r in unexported(rules, series)
     )
-    body = yaml.safe_dump(to_prometheus(rules), sort_keys=False, width=1000, allow_unicode=True)
+    body = yaml.safe_dump(
+        to_prometheus(rules, series), sort_keys=False, width=1000, allow_unicode=True
+    )
     return HEADER + skipped + body
 
 
-def metric_names(rules: list[Rule]) -> set[str]:
+def metric_names(rules: list[Rule], series: Series) -> set[str]:
     """Every Prometheus metric the exported expressions read."""
-    return {SERIES[name] for rule in rules if exportable(rule) for name in _reads(rule)}
+    return {series[name] for rule in rules if exportable(rule, series) for name in _reads(rule)}
 
 
-def exportable(rule: Rule) -> bool:
-    return all(name in SERIES for name in _reads(rule))
+def exportable(rule: Rule, series: Series) -> bool:
+    return all(name in series for name in _reads(rule))
 
 
-def unexported(rules: list[Rule]) -> list[Rule]:
-    return [rule for rule in rules if not exportable(rule)]
+def unexported(rules: list[Rule], series: Series) -> list[Rule]:
+    return [rule for rule in rules if not exportable(rule, series)]
 
 
-def expression(rule: Rule) -> str:
+def expression(rule: Rule, series: Series) -> str:
     """The PromQL condition of `rule`: its value where it holds."""
-    condition = _condition(rule, _selector(rule.metric, rule.window))
+    condition = _condition(rule, _selector(series, rule.metric, rule.window), series)
     if rule.window is None or rule.min_requests <= 0:
         return condition
-    requests = _selector("requests", rule.window)
+    requests = _selector(series, "requests", rule.window)
     return f"({condition}) and {MATCH} {requests} >= {_number(rule.min_requests)}"
 
 
@@ -83,8 +82,8 @@ def _reads(rule: Rule) -> list[str]:
     return names
 
 
-def _alert(rule: Rule) -> dict[str, Any]:
-    alert: dict[str, Any] = {"alert": rule.name, "expr": expression(rule)}
+def _alert(rule: Rule, series: Series) -> dict[str, Any]:
+    alert: dict[str, Any] = {"alert": rule.name, "expr": expression(rule, series)}
     if rule.for_s > 0:
         alert["for"] = format_duration(rule.for_s)
     alert["labels"] = {"severity": rule.severity, **dict(sorted(rule.labels.items()))}
@@ -93,14 +92,14 @@ def _alert(rule: Rule) -> dict[str, Any]:
     return alert
 
 
-def _condition(rule: Rule, value: str) -> str:
+def _condition(rule: Rule, value: str, series: Series) -> str:
     threshold = rule.threshold
     if isinstance(threshold, tuple):
         low, high = threshold
         return f"{value} < {_number(low)} or {value} > {_number(high)}"
     if not isinstance(threshold, Relative):
         return f"{value} {rule.op} {_number(threshold)}"
-    base = _selector(threshold.relative_to, rule.window)
+    base = _selector(series, threshold.relative_to, rule.window)
     known = f"({base} == {base})"  # drops NaN: the aggregator's "no value"
     scaled = known if threshold.factor == 1 else f"({_number(threshold.factor)} * {known})"
     relative = f"{value} {rule.op} {MATCH} {scaled}"
@@ -110,8 +109,8 @@ def _condition(rule: Rule, value: str) -> str:
     return f"({relative}) or ({fallback})"
 
 
-def _selector(metric: str, window: str | None) -> str:
-    name = SERIES[metric]
+def _selector(series: Series, metric: str, window: str | None) -> str:
+    name = series[metric]
     return name if window is None else f'{name}{{window="{window}"}}'
 
 

@@ -8,7 +8,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from alerts.definitions import PIPELINE_METRICS, WINDOW_METRICS
-from services.aggregator.summary import WindowSummary
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,9 +19,10 @@ class Sample:
 
 
 def samples_from_windows(
-    snapshot: Mapping[tuple[str, str], Mapping[str, WindowSummary]],
+    snapshot: Mapping[tuple[str, str], Mapping[str, object]],
 ) -> list[Sample]:
-    """One sample per (model, level, window) with the numeric `WindowSummary` fields."""
+    """One sample per (model, level, window) of a window snapshot (the aggregator's
+    `WindowSummary` objects), with their numeric `WINDOW_METRICS` attributes."""
     return [
         Sample(
             labels={"model": model, "level": level, "window": window},

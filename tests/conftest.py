@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from services.broker import Broker
+from services.telemetry.broker import Broker
 from sparse_engine.calibration.pipeline import CalibrationConfig, calibrate, prepare_data
 from sparse_engine.calibration.store import CalibrationStore
 from sparse_engine.data.corpora import load_texts

@@ -11,7 +11,7 @@ from typing import Any
 
 from services.config import GatewaySettings, Settings, TelemetrySettings
 from services.gateway.app import create_app
-from services.serving import serve
+from services.shared.serving import serve
 from services.telemetry.schema import TelemetryEvent
 from sparse_engine.runtime.engine import Engine, Generation, GenerationRequest
 from sparse_engine.sparsity.plan import Level, SparsityPlan

@@ -10,10 +10,10 @@ import httpx
 from kafka import KafkaConsumer
 
 from services.aggregator.http import create_http_app
-from services.broker import Broker
-from services.serving import serve
+from services.shared.serving import serve
 from services.storage.db import make_engine, session_factory
 from services.storage.repository import upsert_calibration
+from services.telemetry.broker import Broker
 from tests.aggregator_fixtures import (
     KEYS,
     event,

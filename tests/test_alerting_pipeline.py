@@ -19,15 +19,15 @@ from pydantic import SecretStr
 from sqlalchemy import select
 
 from alerts.signing import SignatureError, verify
-from alerts.webhooks import WebhookDispatcher
-from services.aggregator.alerting import AlertLoop
+from services.aggregator.alert_loop import AlertLoop
 from services.aggregator.loop import Aggregator
 from services.aggregator.metrics import AggregatorMetrics
-from services.broker import Broker
+from services.alerting.webhooks import WebhookDispatcher
 from services.config import AlertSettings, WebhookReceiver
-from services.serving import serve
+from services.shared.serving import serve
 from services.storage.db import make_engine, session_factory
 from services.storage.models import AlertRecord, JobRun
+from services.telemetry.broker import Broker
 from tests.aggregator_fixtures import event, pipeline_settings, produce, running
 from tests.polling import wait_until
 

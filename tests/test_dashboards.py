@@ -17,15 +17,15 @@ import yaml
 from fastapi import Depends, FastAPI, Header, HTTPException
 from prometheus_client import Histogram
 
-from alerts.webhooks import METRICS as WEBHOOK_METRICS
 from dashboards import DASHBOARDS, JSON_DIR, PROVISIONING_DIR, queries, render
 from dashboards.__main__ import main as generate_main
 from dashboards.model import PROVISIONED_DATASOURCE
-from services.aggregator.alerting import ALERTING_METRICS
+from services.aggregator.alert_loop import ALERTING_METRICS
 from services.aggregator.metrics import AGGREGATOR_METRICS
+from services.alerting.webhooks import METRICS as WEBHOOK_METRICS
 from services.cli import main
 from services.gateway.metrics import GATEWAY_METRICS
-from services.serving import free_port, serve
+from services.shared.serving import free_port, serve
 from tests.test_prometheus_rules import exposed_names
 
 UIDS = ["sparseguard-overview", "sparseguard-silence", "sparseguard-pipeline", "sparseguard-jobs"]

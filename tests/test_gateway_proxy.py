@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import SecretStr
 
-from services.serving import free_port, serve
+from services.shared.serving import free_port, serve
 from tests.gateway_fixtures import RecordingSink, running_gateway, settings_for
 from tests.tiny import tiny_engine
 

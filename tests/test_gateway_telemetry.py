@@ -9,10 +9,10 @@ from pathlib import Path
 import httpx
 from kafka import KafkaConsumer
 
-from services.broker import Broker
 from services.config import GatewaySettings, Settings, TelemetrySettings
 from services.gateway.app import create_app
-from services.serving import serve
+from services.shared.serving import serve
+from services.telemetry.broker import Broker
 from services.telemetry.schema import parse_event
 from services.telemetry.topics import ensure_topics, topic_specs
 from tests.tiny import tiny_engine

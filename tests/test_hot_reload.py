@@ -15,15 +15,15 @@ import pytest
 from kafka import KafkaProducer
 from prometheus_client import CollectorRegistry
 
-from services.broker import Broker
 from services.config import Settings, TelemetrySettings
 from services.gateway.app import create_app
 from services.gateway.auth import hash_key
-from services.serving import serve
+from services.shared.serving import serve
 from services.storage.db import make_engine, session_factory
 from services.storage.models import JobRun
+from services.telemetry.broker import Broker
+from services.telemetry.control import CALIBRATION_PUBLISHED, publish_calibration
 from services.workers.app import make_celery
-from services.workers.control import CALIBRATION_PUBLISHED, publish_calibration
 from sparse_engine.calibration.store import CalibrationNotFoundError, CalibrationStore
 from sparse_engine.runtime.engine import Engine, GenerationRequest
 from sparse_engine.runtime.prefix_cache import CacheKey, SparseCacheMismatchError
@@ -182,7 +182,7 @@ def test_listener_waits_for_a_late_broker_and_survives_its_restart(
     def serving(version: str) -> bool:
         return engine.plan(Level.BALANCED).calibration_version == version
 
-    caplog.set_level(logging.INFO, logger="services.gateway.control")
+    caplog.set_level(logging.INFO, logger="services.gateway.calibration_listener")
     try:
         with serve(app):
             control = app.state.runtime.control

@@ -17,7 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from alerts.evaluator import Sample
-from services.aggregator.alerting import AlertLoop
+from services.aggregator.alert_loop import AlertLoop
 from services.aggregator.job_figures import job_samples
 from services.aggregator.metrics import AggregatorMetrics
 from services.config import (
@@ -30,7 +30,8 @@ from services.config import (
 from services.storage.db import make_engine, session_factory, upgrade
 from services.storage.models import CalibrationRecord, GoldenRun, JobRun, RequestSummary
 from services.storage.repository import flags
-from services.workers import control, jobs
+from services.telemetry import control
+from services.workers import jobs
 from services.workers.app import beat_schedule, cron, make_celery
 from services.workers.drift import record
 from services.workers.golden import LevelDrift, store_runs

@@ -27,18 +27,18 @@ from sqlalchemy.orm import Session, sessionmaker
 import dashboards
 from alerts.prometheus import GROUP, export_prometheus
 from alerts.rules import DEFAULT_RULES, load_rules
-from alerts.webhooks import WebhookDispatcher
-from services.aggregator.alerting import AlertLoop
+from services.aggregator.alert_loop import AlertLoop
 from services.aggregator.http import create_http_app
 from services.aggregator.loop import Aggregator
-from services.aggregator.metrics import AggregatorMetrics
-from services.broker import Broker
+from services.aggregator.metrics import ALERT_SERIES, AggregatorMetrics
+from services.alerting.webhooks import WebhookDispatcher
 from services.config import Settings, WebhookReceiver
 from services.gateway.app import create_app
-from services.serving import free_port, serve
+from services.shared.serving import free_port, serve
 from services.storage.db import make_engine, session_factory
+from services.telemetry.broker import Broker
+from services.telemetry.control import publish_calibration
 from services.workers import drift, golden
-from services.workers.control import publish_calibration
 from services.workers.golden_set import GoldenItem
 from services.workers.jobs import ClaimedJob
 from sparse_engine.runtime.engine import Engine
@@ -68,7 +68,7 @@ def running_prometheus(tmp_path: Path, targets: dict[str, str]) -> Iterator[str]
     """Prometheus scraping `targets` (job -> base URL) every second with the exported alert
     rules loaded; yields its URL once it is ready and every target is up. Always stopped."""
     rules = tmp_path / "sparseguard-rules.yaml"
-    rules.write_text(export_prometheus(load_rules(DEFAULT_RULES)))
+    rules.write_text(export_prometheus(load_rules(DEFAULT_RULES), ALERT_SERIES))
     interval = f"{SCRAPE_INTERVAL_S:g}s"
     config = {
         "global": {

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from services.cli import main
 from services.cli.silence import summary
-from services.silence_render import png_size, render_html, render_png
+from services.cli.silence_render import png_size, render_html, render_png
 from sparse_engine.calibration.pipeline import CalibrationConfig, CalibrationData, prepare_data
 from sparse_engine.compression.silence import (
     SilenceMap,

@@ -15,16 +15,16 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from services.aggregator.alerting import AlertLoop
+from services.aggregator.alert_loop import AlertLoop
 from services.aggregator.loop import Aggregator
 from services.aggregator.metrics import AggregatorMetrics
-from services.broker import Broker
 from services.config import StorageSettings
 from services.gateway.app import create_app
 from services.gateway.auth import hash_key
-from services.gateway.status import NO_SNAPSHOTS
-from services.serving import serve
+from services.gateway.routes.status import NO_SNAPSHOTS
+from services.shared.serving import serve
 from services.storage.db import make_engine, session_factory
+from services.telemetry.broker import Broker
 from tests.aggregator_fixtures import running
 from tests.gateway_fixtures import RecordingSink, running_gateway, settings_for
 from tests.polling import wait_until

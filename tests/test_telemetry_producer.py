@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from kafka import KafkaConsumer
 
-from services.broker import Broker
 from services.config import TelemetrySettings
+from services.telemetry.broker import Broker
 from services.telemetry.producer import TelemetryProducer
 from services.telemetry.schema import TelemetryEvent, parse_event, partition_key
 from services.telemetry.spool import KafkaRecord, Spool, SpoolLockedError

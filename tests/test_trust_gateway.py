@@ -16,7 +16,7 @@ from pydantic import SecretStr
 
 from services.config import GatewaySettings, Settings, TelemetrySettings, TrustSettings
 from services.gateway.fallback import SIMPLIFY
-from services.serving import serve
+from services.shared.serving import serve
 from services.storage.db import make_engine, session_factory, upgrade
 from services.storage.kb import Passage, ingest
 from sparse_engine.runtime.engine import Engine, Generation, GenerationRequest

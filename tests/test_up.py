@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.broker import accepts_connections
-from services.serving import free_port
-from services.supervisor import ChildFailedError, ChildSpec, Supervisor
+from services.cli.supervisor import ChildFailedError, ChildSpec, Supervisor
+from services.shared.serving import free_port
+from services.telemetry.broker import accepts_connections
 from sparse_engine.calibration.store import CalibrationStore
 from tests.polling import wait_until
 from tests.worker_fixtures import SPARSEGUARD, job_env

@@ -22,11 +22,11 @@ from pydantic import SecretStr
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from alerts import outbox
 from alerts.payload import AlertNotice, build_payload
-from alerts.webhooks import WebhookDispatcher
+from services.alerting import outbox
+from services.alerting.webhooks import WebhookDispatcher
 from services.config import AlertSettings, WebhookReceiver
-from services.serving import free_port, serve
+from services.shared.serving import free_port, serve
 from services.storage.db import make_engine, session_factory, upgrade
 from services.storage.models import AlertRecord, WebhookDelivery
 from tests.webhook_receiver import (

@@ -25,12 +25,12 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from services.aggregator.job_figures import job_samples
 from services.aggregator.metrics import AggregatorMetrics
-from services.broker import Broker
 from services.config import Settings
 from services.gateway.app import create_app
-from services.serving import serve
+from services.shared.serving import serve
 from services.storage.db import make_engine, session_factory, upgrade
 from services.storage.models import CalibrationRecord, GoldenRun, JobRun
+from services.telemetry.broker import Broker
 from services.workers import jobs
 from services.workers.app import make_celery
 from services.workers.beat import FileLock, RedisLock, wait_for_lock

@@ -10,9 +10,9 @@ from pathlib import Path
 import httpx
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.broker import Broker
 from services.config import AlertSettings, EngineSettings, Settings, WebhookReceiver
 from services.storage.repository import upsert_calibration
+from services.telemetry.broker import Broker
 from sparse_engine.runtime.engine import Engine
 from tests.aggregator_fixtures import pipeline_settings
 

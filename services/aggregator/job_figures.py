@@ -18,7 +18,7 @@ from services.storage.repository import (
     job_counts,
     last_golden_run_at,
 )
-from services.workers.app import TASKS
+from services.workers.names import TASKS
 
 DAY = timedelta(hours=24)
 

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from alerts.samples import pipeline_sample
 from services.aggregator import windows
-from services.aggregator.alerting import AlertLoop
+from services.aggregator.alert_loop import AlertLoop
 from services.aggregator.job_figures import job_samples
 from services.aggregator.metrics import AggregatorMetrics
 from services.aggregator.records import KafkaRecord, dead_letter_headers, parse_records, summary_row

@@ -11,7 +11,7 @@ from typing import cast
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.aggregator.windows import FoldConfig, observe
-from services.metrics_table import MetricSpec, declare
+from services.shared.metrics_table import MetricSpec, declare
 from services.telemetry.schema import TelemetryEvent
 
 KEY = ("model", "level")
@@ -29,6 +29,15 @@ WINDOW_GAUGES = {
     "drift_kl_mean": "sparseguard_window_semantic_drift_kl",
     "silence_spikes": "sparseguard_window_silence_spikes",
     "cache_hit_rate_mean": "sparseguard_window_cache_hit_ratio",
+}
+# Every alert metric name -> its exported Prometheus series (the window gauges, and the
+# pipeline series the gateway and the aggregator export), for `alerts.prometheus`.
+ALERT_SERIES: dict[str, str] = {
+    **WINDOW_GAUGES,
+    "consumer_lag_events": "sparseguard_aggregator_consumer_lag_events",
+    "spool_bytes": "sparseguard_telemetry_spool_bytes",
+    "golden_check_age_s": "sparseguard_golden_check_age_seconds",
+    "golden_drift_bleu": "sparseguard_golden_drift_bleu_points",
 }
 
 AGGREGATOR_METRICS = (

@@ -10,13 +10,13 @@ import threading
 import httpx
 from prometheus_client import CollectorRegistry
 
-from alerts.webhooks import WebhookDispatcher
-from services.aggregator.alerting import AlertLoop
+from services.aggregator.alert_loop import AlertLoop
 from services.aggregator.http import create_http_app
 from services.aggregator.loop import Aggregator
 from services.aggregator.metrics import AggregatorMetrics
+from services.alerting.webhooks import WebhookDispatcher
 from services.config import Settings
-from services.serving import serve
+from services.shared.serving import serve
 from services.storage.db import make_engine, session_factory, upgrade
 from services.telemetry.topics import ensure_topics, topic_specs
 from services.workers.app import make_celery

@@ -9,6 +9,7 @@ from typing import Any
 
 from alerts.prometheus import export_prometheus, unexported
 from alerts.rules import DEFAULT_RULES, Rule, load_rules
+from services.aggregator.metrics import ALERT_SERIES
 from services.config import Settings
 
 
@@ -40,7 +41,7 @@ def _rules(args: argparse.Namespace, settings: Settings) -> list[Rule]:
 
 
 def run_export(args: argparse.Namespace, settings: Settings) -> int:
-    text = export_prometheus(_rules(args, settings))
+    text = export_prometheus(_rules(args, settings), ALERT_SERIES)
     if args.out is None:
         sys.stdout.write(text)
     else:
@@ -50,7 +51,7 @@ def run_export(args: argparse.Namespace, settings: Settings) -> int:
 
 def run_check(args: argparse.Namespace, settings: Settings) -> int:
     rules = _rules(args, settings)
-    skipped = {rule.name for rule in unexported(rules)}
+    skipped = {rule.name for rule in unexported(rules, ALERT_SERIES)}
     for rule in rules:
         note = "  (evaluator only: no Prometheus series)" if rule.name in skipped else ""
         sys.stdout.write(f"{rule.name}{note}\n")

@@ -15,7 +15,7 @@ import httpx
 from services.cli.common import emit, emit_json
 from services.config import Settings, TelemetrySettings
 from services.gateway.app import build_engine, create_app
-from services.serving import serve
+from services.shared.serving import serve
 from sparse_engine.runtime.engine import Engine, GenerationRequest
 from sparse_engine.sparsity.plan import Level
 

@@ -19,10 +19,10 @@ from prometheus_client import CollectorRegistry
 from services.aggregator.loop import Aggregator
 from services.aggregator.metrics import AggregatorMetrics
 from services.aggregator.synthetic import fold_throughput, synthetic_events
-from services.broker import Broker
 from services.cli.common import emit, emit_json
 from services.config import AggregatorSettings, Settings, TelemetrySettings
 from services.storage.db import make_engine, session_factory, upgrade
+from services.telemetry.broker import Broker
 from services.telemetry.schema import TelemetryEvent, to_record
 from services.telemetry.topics import ensure_topics, topic_specs
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from services.config import Settings
-from services.engine_setup import configure_fast_path
+from services.shared.engine import configure_fast_path
 from sparse_engine.calibration.store import CalibrationStore
 from sparse_engine.model.catalog import resolve_model
 from sparse_engine.model.loader import LoadedModel, load_model

@@ -15,7 +15,8 @@ from services.storage.db import make_engine, session_factory, upgrade
 from services.storage.models import JobRun
 from services.storage.repository import flags
 from services.workers import jobs
-from services.workers.app import make_celery, worker_app
+from services.workers.app import make_celery
+from services.workers.tasks import worker_app
 
 log = logging.getLogger(__name__)
 POLL_S = 1.0

@@ -13,8 +13,8 @@ from typing import Any
 from tqdm import tqdm
 
 from services.cli.common import emit, load
+from services.cli.silence_render import render_html, render_png
 from services.config import Settings
-from services.silence_render import render_html, render_png
 from sparse_engine.calibration.pipeline import CalibrationConfig, prepare_data
 from sparse_engine.compression.silence import LayerMap, SilenceMap, SilenceRule, diff
 from sparse_engine.compression.silence_map import METRICS, build_map, read_critical

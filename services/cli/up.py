@@ -16,11 +16,11 @@ from typing import Any
 
 import httpx
 
-from services.broker import Broker, accepts_connections
 from services.cli.common import emit, store
+from services.cli.supervisor import Child, ChildFailedError, ChildSpec, Supervisor
 from services.config import Settings
 from services.storage.db import masked_url, upgrade
-from services.supervisor import Child, ChildFailedError, ChildSpec, Supervisor
+from services.telemetry.broker import Broker, accepts_connections
 
 log = logging.getLogger(__name__)
 SPARSEGUARD = str(Path(sys.executable).with_name("sparseguard"))

@@ -14,17 +14,17 @@ from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry
 
 from services.config import Settings
-from services.engine_setup import configure_fast_path
+from services.gateway.engine_thread import EngineWorker
 from services.gateway.errors import ApiError, install_error_handlers, is_anthropic
 from services.gateway.events import record_rejected
 from services.gateway.limits import BodySizeLimit
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.routes_admin import router as admin_router
-from services.gateway.routes_chat import router as chat_router
-from services.gateway.routes_system import router as system_router
+from services.gateway.routes.admin import router as admin_router
+from services.gateway.routes.chat import router as chat_router
+from services.gateway.routes.status import router as status_router
+from services.gateway.routes.system import router as system_router
 from services.gateway.runtime import Runtime, TelemetrySink
-from services.gateway.status import router as status_router
-from services.gateway.worker import EngineWorker
+from services.shared.engine import configure_fast_path
 from sparse_engine.calibration.store import CalibrationStore
 from sparse_engine.model.catalog import resolve_model
 from sparse_engine.model.loader import load_model
@@ -91,7 +91,7 @@ async def _start(
     stack.callback(rt.jobs.close)
     stack.callback(rt.knowledge.close)
     if settings.telemetry.enabled:
-        from services.gateway.control import ControlListener
+        from services.gateway.calibration_listener import ControlListener
 
         rt.control = ControlListener(settings, engine, rt.metrics.calibration_reloads)
         rt.control.start()

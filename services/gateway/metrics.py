@@ -7,7 +7,7 @@ from typing import cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from services.metrics_table import MetricSpec, declare
+from services.shared.metrics_table import MetricSpec, declare
 
 LATENCY = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 RATIO = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)

@@ -13,6 +13,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
+from services.gateway.engine_thread import Emit, Job, JobFn, QueueFullError
 from services.gateway.errors import ApiError
 from services.gateway.fallback import route_action, simplified, with_passages
 from services.gateway.hygiene import clean_text
@@ -21,7 +22,6 @@ from services.gateway.runtime import Runtime
 from services.gateway.schemas import ChatInput
 from services.gateway.trust import Trust
 from services.gateway.upstream import stream_upstream
-from services.gateway.worker import Emit, Job, JobFn, QueueFullError
 from sparse_engine.calibration.store import CalibrationNotFoundError
 from sparse_engine.runtime.generation import GenerationRequest, GenerationStats, Message
 from sparse_engine.runtime.scoring import score_answer

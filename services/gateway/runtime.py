@@ -11,10 +11,10 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from services.config import Settings
+from services.gateway.engine_thread import EngineWorker
 from services.gateway.fallback import KnowledgeBase
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.trust import TrustJudge, load_judge
-from services.gateway.worker import EngineWorker
 from services.telemetry.schema import TelemetryEvent
 from sparse_engine.runtime.engine import Engine
 
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from sqlalchemy import Engine as SqlEngine
     from sqlalchemy.orm import Session, sessionmaker
 
-    from services.gateway.control import ControlListener
+    from services.gateway.calibration_listener import ControlListener
 
 
 class TelemetrySink(Protocol):

@@ -1,5 +1,5 @@
 """The Celery app, built from the one settings object. Clients (gateway, aggregator, CLI) send
-tasks by name with `make_celery`; only the worker registers the task bodies (`worker_app`)."""
+tasks by name with `make_celery`; only the worker registers the task bodies (`tasks.worker_app`)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,7 @@ from celery import Celery
 from celery.schedules import crontab
 
 from services.config import JobSettings, Settings
-
-TASKS = {
-    "recalibrate": "sparseguard.recalibrate",
-    "golden_check": "sparseguard.golden_check",
-}
-NIGHTLY_GOLDEN = "sparseguard.golden_nightly"
-SCHEDULED_RECALIBRATION = "sparseguard.recalibrate_scheduled"
-REDISPATCH = "sparseguard.redispatch"
+from services.workers.names import NIGHTLY_GOLDEN, REDISPATCH, SCHEDULED_RECALIBRATION
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -39,15 +32,6 @@ def make_celery(settings: Settings) -> Celery:
         enable_utc=True,
         beat_schedule=beat_schedule(settings.jobs),
     )
-    return app
-
-
-def worker_app(settings: Settings) -> Celery:
-    """The app with the task bodies registered (imports torch and the engine)."""
-    from services.workers.tasks import register_tasks
-
-    app = make_celery(settings)
-    register_tasks(app, settings)
     return app
 
 

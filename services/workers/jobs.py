@@ -16,7 +16,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from services.storage.models import JobRun
-from services.workers.app import TASKS
+from services.workers.names import TASKS
 
 log = logging.getLogger(__name__)
 FINISHED = ("succeeded", "failed")

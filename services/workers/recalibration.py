@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from services.config import Settings
 from services.storage.models import RequestSummary
 from services.storage.repository import calibration_row, upsert_calibration
-from services.workers.control import publish_calibration
+from services.telemetry.control import publish_calibration
 from services.workers.jobs import ClaimedJob
 from sparse_engine.calibration.pipeline import (
     CalibrationConfig,

@@ -20,8 +20,9 @@ from services.config import Settings
 from services.storage.db import make_engine, session_factory
 from services.storage.models import JobRun
 from services.workers import jobs
-from services.workers.app import NIGHTLY_GOLDEN, REDISPATCH, SCHEDULED_RECALIBRATION, TASKS
+from services.workers.app import make_celery
 from services.workers.jobs import ClaimedJob
+from services.workers.names import NIGHTLY_GOLDEN, REDISPATCH, SCHEDULED_RECALIBRATION, TASKS
 
 log = logging.getLogger(__name__)
 PERMANENT = (ValueError, LookupError)  # bad parameters, nothing calibrated: retrying won't help
@@ -136,3 +137,10 @@ def schedule_once(ctx: Context, kind: str, params: dict[str, Any]) -> int | None
         job_id = jobs.create_job(session, kind, "schedule", {**params, "slot": str(now.date())}).id
     jobs.dispatch(ctx.app, job_id, kind)
     return job_id
+
+
+def worker_app(settings: Settings) -> Celery:
+    """The app with the task bodies registered (imports torch and the engine)."""
+    app = make_celery(settings)
+    register_tasks(app, settings)
+    return app

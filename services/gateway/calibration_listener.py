@@ -15,9 +15,9 @@ from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 from prometheus_client import Counter
 
 from services.config import Settings
+from services.telemetry.control import decode
 from services.telemetry.delivery import is_reachable, servers
 from services.telemetry.topics import ensure_topics, topic_specs
-from services.workers.control import decode
 from sparse_engine.calibration.store import Calibration, CalibrationNotFoundError, CalibrationStore
 from sparse_engine.runtime.engine import Engine
 

@@ -16,13 +16,13 @@ from prometheus_client import CollectorRegistry, Counter
 from sqlalchemy.orm import Session, sessionmaker
 
 from alerts.evaluator import EvalState, Sample, Transition, evaluate, group, samples_from_windows
-from alerts.outbox import enqueue
 from alerts.payload import AlertNotice, build_payload
 from alerts.rules import DEFAULT_RULES, Rule, load_rules
 from alerts.templates import render_all
 from services.aggregator.summary import WindowSummary
+from services.alerting.outbox import enqueue
 from services.config import AlertSettings
-from services.metrics_table import MetricSpec, declare
+from services.shared.metrics_table import MetricSpec, declare
 from services.storage.models import AlertRecord
 from services.storage.repository import set_flag
 from services.workers import jobs

@@ -20,10 +20,11 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from sqlalchemy.orm import Session, sessionmaker
 
-from alerts import outbox, signing
-from alerts.outbox import AttemptResult, Verdict
+from alerts import signing
+from services.alerting import outbox
+from services.alerting.outbox import AttemptResult, Verdict
 from services.config import AlertSettings, WebhookReceiver
-from services.metrics_table import MetricSpec, declare
+from services.shared.metrics_table import MetricSpec, declare
 from services.storage.models import WebhookDelivery, utcnow
 
 log = logging.getLogger(__name__)

