@@ -14,7 +14,7 @@ from alerts.samples import Sample
 
 
 @dataclass(frozen=True, slots=True)
-class Observation:
+class RuleReading:
     value: float | None
     holds: bool | None  # None: no data (missing value, too few requests, no relative bound)
 
@@ -36,16 +36,16 @@ def fingerprint(rule_name: str, labels: Mapping[str, str]) -> str:
     return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
-def observe(rule: Rule, sample: Sample) -> Observation:
+def observe(rule: Rule, sample: Sample) -> RuleReading:
     value = _finite(sample.values.get(rule.metric))
     if value is None:
-        return Observation(None, None)
+        return RuleReading(None, None)
     if rule.window is not None and rule.min_requests > 0:
         requests = _finite(sample.values.get("requests"))
         if requests is None or requests < rule.min_requests:
-            return Observation(value, None)
+            return RuleReading(value, None)
     finite = {name: _finite(v) for name, v in sample.values.items()}
-    return Observation(value, rule.holds(value, finite))
+    return RuleReading(value, rule.holds(value, finite))
 
 
 def _finite(value: float | None) -> float | None:

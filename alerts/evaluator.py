@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Literal
 
-from alerts.conditions import Observation, alert_labels, applies, fingerprint, observe
+from alerts.conditions import RuleReading, alert_labels, applies, fingerprint, observe
 from alerts.definitions import Rule
 from alerts.samples import Sample, pipeline_sample, samples_from_windows
 
@@ -149,7 +149,7 @@ class _Candidate:
 def _step(
     candidate: _Candidate,
     alert: ActiveAlert | None,
-    seen: Observation,
+    seen: RuleReading,
     now: datetime,
     repeat_s: float,
 ) -> tuple[ActiveAlert | None, Transition | None]:

@@ -17,10 +17,10 @@ from services.cli.silence import summary
 from services.cli.silence_render import png_size, render_html, render_png
 from sparse_engine.calibration.pipeline import CalibrationConfig, CalibrationData, prepare_data
 from sparse_engine.compression.silence import (
+    ChannelSite,
+    ChannelStats,
     SilenceMap,
     SilenceRule,
-    Unit,
-    UnitStats,
     diff,
     flag_silent,
 )
@@ -33,7 +33,7 @@ DEAD_MLP = {0: [3, 50], 1: [7], 3: [11]}  # layer 3 is protected (protect_last=1
 DEAD_V_ROW = 5  # v_proj row 5 of kv head 0 feeds o_proj inputs 5 and 21 (query heads 0, 1)
 BIAS_CHANNEL = (2, 99)
 RULE = SilenceRule(protect_last=1)
-Built = tuple[SilenceMap, dict[Unit, torch.Tensor]]
+Built = tuple[SilenceMap, dict[ChannelSite, torch.Tensor]]
 
 
 def planted_model() -> LoadedModel:
@@ -132,8 +132,8 @@ def test_zeroing_a_live_channel_changes_the_output(lm: LoadedModel) -> None:
     assert torch.equal(dense, again)  # the hooks are gone
 
 
-def synthetic(mean: float, width: int = 4, positions: int = 100) -> UnitStats:
-    stats = UnitStats.empty(width)
+def synthetic(mean: float, width: int = 4, positions: int = 100) -> ChannelStats:
+    stats = ChannelStats.empty(width)
     rows = torch.full((positions, width), 1.0)
     rows[:, 0] = mean  # channel 0 is near-zero at |a| = mean
     stats.add(rows, SilenceRule())

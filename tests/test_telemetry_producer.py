@@ -21,7 +21,7 @@ from services.config import TelemetrySettings
 from services.telemetry.broker import Broker
 from services.telemetry.producer import TelemetryProducer
 from services.telemetry.schema import TelemetryEvent, parse_event, partition_key
-from services.telemetry.spool import KafkaRecord, Spool, SpoolLockedError
+from services.telemetry.spool import OutgoingRecord, Spool, SpoolLockedError
 from services.telemetry.topics import ensure_topics, topic_specs
 
 log = logging.getLogger(__name__)
@@ -261,7 +261,7 @@ def test_full_spool_drops_the_oldest_segment(kafka_broker: Broker, tmp_path: Pat
 
 def test_torn_spool_line_is_skipped(tmp_path: Path) -> None:
     spool = Spool(tmp_path, max_bytes=1 << 20)
-    spool.append([KafkaRecord("sparseguard.telemetry", b"k", b'{"a": 1}', [("ce_id", b"x")])])
+    spool.append([OutgoingRecord("sparseguard.telemetry", b"k", b'{"a": 1}', [("ce_id", b"x")])])
     spool.close()
     with next(tmp_path.glob("segment-*.jsonl")).open("ab") as file:
         file.write(b'{"topic": "sparseguard.tel')  # a crash mid-write

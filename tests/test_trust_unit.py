@@ -29,7 +29,7 @@ from sparse_engine.trust.features import (
     from_stats,
 )
 from sparse_engine.trust.model import TrustModelNotFoundError, TrustStore, fit
-from sparse_engine.trust.qa import QADataError, grade, load_qa, normalise, token_f1
+from sparse_engine.trust.qa import QADataError, grade, load_qa, normalise_answer, token_f1
 from sparse_engine.trust.report import report
 from tests.tiny import tiny_engine
 
@@ -48,7 +48,7 @@ def test_auroc_equals_the_share_of_ordered_pairs(pairs: list[tuple[int, bool]]) 
 
 
 def test_grading_normalises_and_takes_the_best_gold_answer() -> None:
-    assert normalise("The  Eiffel-Tower!") == "eiffeltower"
+    assert normalise_answer("The  Eiffel-Tower!") == "eiffeltower"
     assert grade("It is in Paris, France.", ("paris",)).contains
     assert not grade("Parisian food", ("Paris",)).contains  # whole words only
     # "city of paris" against "paris": precision 1/3, recall 1

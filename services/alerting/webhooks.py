@@ -47,7 +47,7 @@ METRICS = (
 
 
 @dataclass(frozen=True, slots=True)
-class Job:
+class Delivery:
     """A claimed row, copied out of its session."""
 
     id: int
@@ -92,7 +92,7 @@ class WebhookDispatcher:
         await asyncio.to_thread(self._refresh_pending)
         return attempted
 
-    async def _deliver(self, job: Job) -> None:
+    async def _deliver(self, job: Delivery) -> None:
         receiver = self._receivers.get(job.receiver)
         if receiver is None:
             error = f"receiver {job.receiver!r} is not configured (alerts.receivers)"
@@ -106,7 +106,7 @@ class WebhookDispatcher:
         if verdict is not None:
             self._deliveries.labels(receiver=job.receiver, outcome=verdict).inc()
 
-    async def _post(self, receiver: WebhookReceiver, job: Job, now: datetime) -> AttemptResult:
+    async def _post(self, receiver: WebhookReceiver, job: Delivery, now: datetime) -> AttemptResult:
         secret = receiver.secret.get_secret_value()
         body = json.dumps(job.payload, separators=(",", ":"), ensure_ascii=False).encode()
         headers = signing.headers(secret, job.message_id, int(now.timestamp()), body)
@@ -122,13 +122,13 @@ class WebhookDispatcher:
         error = f"HTTP {response.status_code}: {response.text[:MAX_BODY_IN_ERROR]}".rstrip(": ")
         return AttemptResult(response.status_code, _redact(error, secret))
 
-    def _claim_next(self, now: datetime) -> Job | None:
+    def _claim_next(self, now: datetime) -> Delivery | None:
         with self._sessions.begin() as session:
             rows = outbox.claim_due(session, now, 1, self._lease)
             if not rows:
                 return None
             row = rows[0]
-            return Job(row.id, row.receiver, outbox.message_id(row), dict(row.payload))
+            return Delivery(row.id, row.receiver, outbox.message_id(row), dict(row.payload))
 
     def _record(self, row_id: int, result: AttemptResult, now: datetime) -> Verdict | None:
         with self._sessions.begin() as session:
@@ -166,7 +166,7 @@ def _redact(text: str, secret: str) -> str:
     return text
 
 
-def _log_attempt(job: Job, result: AttemptResult, verdict: Verdict | None) -> None:
+def _log_attempt(job: Delivery, result: AttemptResult, verdict: Verdict | None) -> None:
     if verdict == "delivered":
         log.info("webhook %d delivered to %s", job.id, job.receiver)
     elif verdict is not None:

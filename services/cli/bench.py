@@ -11,8 +11,9 @@ from typing import Any
 import torch
 
 from services.cli import bench_gateway, bench_pipeline, bench_speed
-from services.cli.common import emit, emit_json, engine
+from services.cli.common import emit, emit_json
 from services.config import Settings
+from services.shared.engine import build_engine
 from sparse_engine.data import corpora
 from sparse_engine.data.splits import evaluation_tokens
 from sparse_engine.evaluation.perplexity import perplexity
@@ -49,7 +50,7 @@ def register(commands: Any) -> None:
 
 
 def run_quality(args: argparse.Namespace, settings: Settings) -> int:
-    eng = engine(settings, args.model)
+    eng = build_engine(settings, args.model)
     ids = evaluation_tokens(
         eng.lm.tokenizer, corpora.load_texts(args.data, settings.cache_home), args.tokens
     )
@@ -81,7 +82,7 @@ def run_quality(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def run_engine(args: argparse.Namespace, settings: Settings) -> int:
-    eng = engine(settings, args.model)
+    eng = build_engine(settings, args.model)
     rows = [
         measure(eng, level, args.new_tokens, args.repeats, True)
         for level in Level

@@ -14,7 +14,8 @@ import httpx
 
 from services.cli.common import emit, emit_json
 from services.config import Settings, TelemetrySettings
-from services.gateway.app import build_engine, create_app
+from services.gateway.app import create_app
+from services.shared.engine import build_engine
 from services.shared.serving import serve
 from sparse_engine.runtime.engine import Engine, GenerationRequest
 from sparse_engine.sparsity.plan import Level
@@ -34,7 +35,7 @@ def register(bench: Any) -> None:
 def run_gateway_bench(args: argparse.Namespace, settings: Settings) -> int:
     level = Level.parse(args.level)
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    engine = build_engine(settings)
+    engine = build_engine(settings, prefix_cache=True)
     direct = [_direct(engine, level, args.max_tokens) for _ in range(args.requests)]
     # Telemetry off: this measures the HTTP path; the producer is asynchronous by design.
     quiet = settings.model_copy(update={"telemetry": TelemetrySettings(enabled=False)})

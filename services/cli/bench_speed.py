@@ -12,8 +12,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from services.cli.common import emit, emit_json, engine
+from services.cli.common import emit, emit_json
 from services.config import Settings
+from services.shared.engine import build_engine
 from sparse_engine.bench.speed import (
     GB,
     SpeedRow,
@@ -59,7 +60,7 @@ def run_speed(args: argparse.Namespace, settings: Settings) -> int:
         raise ValueError("--quality-tokens must be 0 (skip) or at least 16")
     if not dtypes or set(dtypes) - set(DTYPES):
         raise ValueError(f"--dtypes takes a comma-separated subset of {', '.join(DTYPES)}")
-    eng = engine(settings, args.model, fast=False)
+    eng = build_engine(settings, args.model, fast=False)
     native = kernels.load()
     messages = [{"role": "user", "content": PROMPT}]
     ids = eng.encode_messages(messages)

@@ -8,8 +8,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from services.cli.common import emit, emit_json, load, store
+from services.cli.common import emit, emit_json, store
 from services.config import Settings
+from services.shared.engine import load_served_model
 from services.storage.db import make_engine, session_factory, upgrade
 from services.storage.repository import calibration_row, upsert_calibration
 from sparse_engine.calibration.pipeline import CalibrationConfig, calibrate, prepare_data
@@ -45,7 +46,7 @@ def register(commands: Any) -> None:
 
 def run_calibrate(args: argparse.Namespace, settings: Settings) -> int:
     levels = parse_levels(args.level or [settings.engine.default_level])
-    lm = load(settings, args.model)
+    lm = load_served_model(settings, args.model)
     if args.if_missing:
         done = {c.level for c in store(settings).list(lm.weights_sha256)}
         levels = [lv for lv in levels if lv.value not in done]

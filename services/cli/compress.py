@@ -12,8 +12,9 @@ import torch
 from tqdm import tqdm
 
 from services.cli.bench import measure
-from services.cli.common import emit, emit_json, load
+from services.cli.common import emit, emit_json
 from services.config import Settings
+from services.shared.engine import load_served_model
 from sparse_engine.compression.prune import intermediate_sizes, prune, pruned_copy, verify
 from sparse_engine.compression.semi24 import (
     compliance_table,
@@ -89,7 +90,7 @@ def _data_args(parser: Any) -> None:
 
 
 def run_prune(args: argparse.Namespace, settings: Settings) -> int:
-    lm = load(settings, args.model)
+    lm = load_served_model(settings, args.model)
     mask, channels, bias_like = _plan(args, lm)
     pruned, result = prune(lm, channels, args.out, bias_like)
     prompts = list(VERIFY_PROMPTS)
@@ -155,7 +156,7 @@ def _print_prune(r: dict[str, Any]) -> None:
 
 
 def run_compress_eval(args: argparse.Namespace, settings: Settings) -> int:
-    lm = load(settings, args.model)
+    lm = load_served_model(settings, args.model)
     mask, channels, bias_like = _plan(args, lm)
     if mask.is_empty:
         raise ValueError(
@@ -210,7 +211,7 @@ def _params(lm: LoadedModel) -> int:
 
 def run_semi24(args: argparse.Namespace, settings: Settings) -> int:
     roles = tuple(r.strip() for r in args.roles.split(",") if r.strip())
-    lm = load(settings, args.model)
+    lm = load_served_model(settings, args.model)
     texts = corpora.load_texts(args.data, settings.cache_home)
     ids = evaluation_tokens(lm.tokenizer, texts, args.tokens)
     before = compliance_table(lm.layers, roles)

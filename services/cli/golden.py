@@ -10,11 +10,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from services.cli.common import emit, load
+from services.cli.common import emit
 from services.config import Settings
+from services.shared.engine import build_engine
 from services.workers.golden import freeze
 from services.workers.golden_set import load_golden, read_prompts, write_golden
-from sparse_engine.runtime.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def create_golden(args: argparse.Namespace, settings: Settings) -> int:
         raise ValueError(f"{args.out} exists; pass --force to replace its references")
     max_new_tokens = args.max_new_tokens or settings.jobs.golden_max_new_tokens
     prompts = read_prompts(args.prompts)  # before the model loads: fail fast on a bad file
-    engine = Engine(load(settings, args.model), {})  # dense only: no calibration needed
+    engine = build_engine(settings, args.model)  # the served decode path; dense answers only
     with tqdm(total=len(prompts), unit="prompt", desc="freezing dense answers") as bar:
         items = freeze(engine, prompts, max_new_tokens, progress=bar.update)
     write_golden(args.out, items)

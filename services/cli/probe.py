@@ -7,8 +7,9 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
-from services.cli.common import emit, emit_json, engine, store
+from services.cli.common import emit, emit_json, store
 from services.config import Settings
+from services.shared.engine import build_engine
 from sparse_engine.calibration.store import CalibrationNotFoundError
 from sparse_engine.runtime.engine import GenerationRequest, GenerationStats
 from sparse_engine.sparsity.plan import Level
@@ -41,7 +42,7 @@ def register(commands: Any) -> None:
 def run_probe(args: argparse.Namespace, settings: Settings) -> int:
     text = read_prompt(args.input)
     level = Level.parse(args.level or settings.engine.default_level)
-    eng = engine(settings, args.model)
+    eng = build_engine(settings, args.model)
     if args.task and level is not Level.DENSE:
         with contextlib.suppress(CalibrationNotFoundError):
             cal = store(settings).latest(eng.lm.weights_sha256, level, TASK_CORPORA[args.task])

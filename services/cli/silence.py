@@ -12,9 +12,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from services.cli.common import emit, load
+from services.cli.common import emit
 from services.cli.silence_render import render_html, render_png
 from services.config import Settings
+from services.shared.engine import load_served_model
 from sparse_engine.calibration.pipeline import CalibrationConfig, prepare_data
 from sparse_engine.compression.silence import LayerMap, SilenceMap, SilenceRule, diff
 from sparse_engine.compression.silence_map import METRICS, build_map, read_critical
@@ -50,7 +51,7 @@ def run_map(args: argparse.Namespace, settings: Settings) -> int:
     started = time.perf_counter()
     rule = SilenceRule(protect_last=args.protect_last, max_change_pct=args.max_change_pct)
     critical = read_critical(args.critical) if args.critical else {}
-    lm = load(settings, args.model)
+    lm = load_served_model(settings, args.model)
     cfg = CalibrationConfig(
         samples=args.samples,
         seq_len=settings.engine.seq_len,

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sparse_engine.compression.silence import ChannelSet, SilenceMap, Unit
+from sparse_engine.compression.silence import ChannelSet, ChannelSite, SilenceMap
 
 ROW_PX, GAP = 6, 8
 LOG_MIN, LOG_SPAN = -8.0, 12.0  # series quantisation: log10 |a| in [-8, 4] over 0..255
@@ -99,7 +99,7 @@ def quantise_series(series: torch.Tensor) -> str:
     return base64.b64encode(codes.t().contiguous().numpy().tobytes()).decode("ascii")
 
 
-def page_data(smap: SilenceMap, series: dict[Unit, torch.Tensor]) -> dict[str, Any]:
+def page_data(smap: SilenceMap, series: dict[ChannelSite, torch.Tensor]) -> dict[str, Any]:
     mlp_width, _ = widths(smap)
     data = smap.to_dict()
     data["view"] = {"row_px": ROW_PX, "gap": GAP, "mlp_width": mlp_width}
@@ -109,7 +109,7 @@ def page_data(smap: SilenceMap, series: dict[Unit, torch.Tensor]) -> dict[str, A
     return data
 
 
-def render_html(smap: SilenceMap, series: dict[Unit, torch.Tensor]) -> str:
+def render_html(smap: SilenceMap, series: dict[ChannelSite, torch.Tensor]) -> str:
     png = base64.b64encode(render_png(smap)).decode("ascii")
     payload = json.dumps(page_data(smap, series), separators=(",", ":")).replace("</", "<\\/")
     title = f"Silence map: {smap.model_id} on {smap.corpus}"

@@ -9,8 +9,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from services.cli.common import emit, emit_json, engine
+from services.cli.common import emit, emit_json
 from services.config import Settings
+from services.shared.engine import build_engine
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.sparsity.plan import Level
 from sparse_engine.trust.evaluate import QARecord, RecordSet, collect
@@ -61,7 +62,7 @@ def _data_args(parser: argparse.ArgumentParser, offset: int | None, n: int) -> N
 
 
 def fit_trust(args: argparse.Namespace, settings: Settings) -> int:
-    eng = engine(settings, args.model)
+    eng = build_engine(settings, args.model)
     if args.if_missing:
         try:
             found = TrustStore(settings.trust_dir).latest(eng.lm.model_id, args.level)
@@ -112,7 +113,7 @@ def _answers(
             "reaches past the end"
         )
     level = Level.parse(args.level)
-    eng = eng or engine(settings, args.model)
+    eng = eng or build_engine(settings, args.model)
     plan = eng.plan(level)
     records_at = RecordSet(
         settings.trust_dir / "records",

@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import httpx
-import torch
 from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry
 
@@ -24,12 +23,8 @@ from services.gateway.routes.chat import router as chat_router
 from services.gateway.routes.status import router as status_router
 from services.gateway.routes.system import router as system_router
 from services.gateway.runtime import Runtime, TelemetrySink
-from services.shared.engine import configure_fast_path
-from sparse_engine.calibration.store import CalibrationStore
-from sparse_engine.model.catalog import resolve_model
-from sparse_engine.model.loader import load_model
+from services.shared.engine import build_engine
 from sparse_engine.runtime.engine import Engine
-from sparse_engine.runtime.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +70,7 @@ async def _start(
     upstream: httpx.AsyncClient | None,
     registry: CollectorRegistry | None,
 ) -> Runtime:
-    engine = engine or build_engine(settings)
+    engine = engine or build_engine(settings, prefix_cache=True)
     worker = EngineWorker(settings.gateway.queue_size)
     stack.callback(worker.close)
     if sink is None and settings.telemetry.enabled:
@@ -97,12 +92,3 @@ async def _start(
         rt.control.start()
         stack.callback(rt.control.stop)
     return rt
-
-
-def build_engine(settings: Settings) -> Engine:
-    if settings.engine.threads:
-        torch.set_num_threads(settings.engine.threads)
-    lm = load_model(resolve_model(settings.engine.model, settings.cache_home))
-    cache = PrefixCache() if settings.engine.prefix_cache_entries else None
-    engine = Engine.from_store(lm, CalibrationStore(settings.calibrations_dir), cache)
-    return configure_fast_path(engine, settings)

@@ -22,7 +22,7 @@ class QueueFullError(Exception):
 
 
 @dataclass(slots=True)
-class Job:
+class EngineJob:
     run: JobFn
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue[tuple[str, Any]]
@@ -45,7 +45,7 @@ class Job:
 
 class EngineWorker:
     def __init__(self, queue_size: int) -> None:
-        self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
+        self._jobs: queue.Queue[EngineJob | None] = queue.Queue(maxsize=queue_size)
         self._thread = threading.Thread(target=self._loop, name="engine-worker", daemon=True)
         self._thread.start()
 
@@ -53,8 +53,8 @@ class EngineWorker:
     def depth(self) -> int:
         return self._jobs.qsize()
 
-    def submit(self, run: JobFn) -> Job:
-        job = Job(run, asyncio.get_running_loop(), asyncio.Queue())
+    def submit(self, run: JobFn) -> EngineJob:
+        job = EngineJob(run, asyncio.get_running_loop(), asyncio.Queue())
         try:
             self._jobs.put_nowait(job)
         except queue.Full:
@@ -75,7 +75,7 @@ class EngineWorker:
             job.started_at = time.perf_counter()
             self._run(job)
 
-    def _run(self, job: Job) -> None:
+    def _run(self, job: EngineJob) -> None:
         try:
             result = job.run(lambda delta: _post(job, ("delta", delta)), job.cancel)
         except Exception as exc:  # handed to the request, which maps it to an API error
@@ -84,7 +84,7 @@ class EngineWorker:
             _post(job, ("done", result))
 
 
-def _post(job: Job, item: tuple[str, Any]) -> None:
+def _post(job: EngineJob, item: tuple[str, Any]) -> None:
     try:
         job.loop.call_soon_threadsafe(job.out.put_nowait, item)
     except RuntimeError:  # the request's event loop is gone; nobody is listening

@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
-from services.gateway.engine_thread import Emit, Job, JobFn, QueueFullError
+from services.gateway.engine_thread import Emit, EngineJob, JobFn, QueueFullError
 from services.gateway.errors import ApiError
 from services.gateway.fallback import route_action, simplified, with_passages
 from services.gateway.hygiene import clean_text
@@ -220,7 +220,7 @@ async def _proxy(
         yield item
 
 
-def _submit(rt: Runtime, run: JobFn) -> Job:
+def _submit(rt: Runtime, run: JobFn) -> EngineJob:
     try:
         return rt.worker.submit(run)
     except QueueFullError:
@@ -230,7 +230,7 @@ def _submit(rt: Runtime, run: JobFn) -> Job:
         ) from None
 
 
-async def _drain(job: Job) -> AsyncIterator[str | Answered]:
+async def _drain(job: EngineJob) -> AsyncIterator[str | Answered]:
     try:
         async for kind, value in job.events():
             if kind == "delta":

@@ -93,13 +93,13 @@ _BACKENDS: Mapping[str, tuple[TextClause, Callable[[list[str]], str]]] = {
 }
 
 
-def normalise(value: str) -> str:
+def squash_whitespace(value: str) -> str:
     """The text with every run of whitespace made one space, and none at the ends."""
     return " ".join(value.split())
 
 
 def digest(passage_text: str) -> str:
-    return hashlib.sha256(normalise(passage_text).encode("utf-8")).hexdigest()
+    return hashlib.sha256(squash_whitespace(passage_text).encode("utf-8")).hexdigest()
 
 
 def query_terms(query: str) -> list[str]:
@@ -178,12 +178,12 @@ def include_name(name: str | None, type_: str, parent_names: Mapping[str, str | 
 
 
 def _row(passage: Passage, number: int) -> dict[str, str]:
-    body = normalise(passage.text)
+    body = squash_whitespace(passage.text)
     if not body:
         raise ValueError(f"passage {number} ({passage.source!r}) has no text; drop it first")
     return {
         "source": passage.source,
-        "title": normalise(passage.title),
+        "title": squash_whitespace(passage.title),
         "text": body,
         "digest": digest(body),
     }
@@ -211,7 +211,7 @@ def _dialect(session: Session) -> str:
 
 def _pieces(text: str, max_chars: int) -> Iterator[str]:
     for paragraph in _PARAGRAPH_BREAK.split(text):
-        flat = normalise(paragraph)
+        flat = squash_whitespace(paragraph)
         if len(flat) <= max_chars:
             if flat:
                 yield flat

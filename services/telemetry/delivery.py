@@ -12,7 +12,7 @@ from kafka import KafkaProducer
 from kafka.errors import KafkaError
 
 from services.config import TelemetrySettings
-from services.telemetry.spool import KafkaRecord
+from services.telemetry.spool import OutgoingRecord
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def open_producer(settings: TelemetrySettings) -> Any:
     return producer
 
 
-def deliver(producer: Any, records: Sequence[KafkaRecord]) -> int:
+def deliver(producer: Any, records: Sequence[OutgoingRecord]) -> int:
     """Send and wait; returns how many records, counted from the first, were acknowledged.
     Records after the first failure count as unsent so a retry keeps their order (a record
     acknowledged after a failure may then arrive twice: delivery is at-least-once)."""

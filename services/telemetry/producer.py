@@ -18,7 +18,7 @@ from kafka.errors import KafkaError
 from services.config import TelemetrySettings
 from services.telemetry.delivery import close_quietly, deliver, is_reachable, open_producer
 from services.telemetry.schema import TelemetryEvent, to_record
-from services.telemetry.spool import KafkaRecord, Spool
+from services.telemetry.spool import OutgoingRecord, Spool
 from services.telemetry.topics import ensure_topics, topic_specs
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class TelemetryProducer:
         self._settings = settings
         self._create_topics = create_topics
         self._spool = Spool(spool_dir, settings.spool_max_bytes)
-        self._queue: queue.Queue[KafkaRecord] = queue.Queue(MAX_QUEUE_RECORDS)
+        self._queue: queue.Queue[OutgoingRecord] = queue.Queue(MAX_QUEUE_RECORDS)
         self._cond = threading.Condition()
         self._stats = ProducerStats(spool_bytes=self._spool.num_bytes)
         self._pending = self._spool.num_records  # accepted, not yet acknowledged nor dropped
@@ -70,7 +70,7 @@ class TelemetryProducer:
 
     def send(self, event: TelemetryEvent) -> None:
         """Enqueue one event; never blocks on the broker and never raises for broker trouble."""
-        record = KafkaRecord(self._settings.topic, *to_record(event))
+        record = OutgoingRecord(self._settings.topic, *to_record(event))
         with self._cond:
             if self._closing.is_set() or len(record.value) > MAX_RECORD_BYTES:
                 self._stats.dropped += 1
@@ -138,7 +138,7 @@ class TelemetryProducer:
         if batch:
             self._dispatch(batch)
 
-    def _take(self, max_records: int) -> list[KafkaRecord]:
+    def _take(self, max_records: int) -> list[OutgoingRecord]:
         busy = self._kafka is not None and not self._spool.is_empty
         try:
             batch = [self._queue.get(timeout=0 if busy else IDLE_POLL_S)]
@@ -151,7 +151,7 @@ class TelemetryProducer:
                 break
         return batch
 
-    def _dispatch(self, batch: list[KafkaRecord]) -> None:
+    def _dispatch(self, batch: list[OutgoingRecord]) -> None:
         # Straight to Kafka only when nothing older waits in the spool: that keeps the order.
         if self._kafka is not None and self._spool.is_empty:
             num_acked = deliver(self._kafka, batch)
@@ -162,7 +162,7 @@ class TelemetryProducer:
             batch = batch[num_acked:]
         self._to_spool(batch)
 
-    def _to_spool(self, records: list[KafkaRecord]) -> None:
+    def _to_spool(self, records: list[OutgoingRecord]) -> None:
         try:
             num_dropped = self._spool.append(records)
         except OSError:

@@ -20,7 +20,7 @@ SEGMENT_MAX_BYTES = 4 * 1024 * 1024
 _SEGMENT_RE = re.compile(r"^segment-(\d{12})\.jsonl$")
 
 
-class KafkaRecord(NamedTuple):
+class OutgoingRecord(NamedTuple):
     topic: str
     key: bytes
     value: bytes
@@ -36,7 +36,7 @@ class Segment:
     num_acked: int = 0  # records of this segment already acknowledged (this process only)
 
 
-def encode(record: KafkaRecord) -> bytes:
+def encode(record: OutgoingRecord) -> bytes:
     # surrogateescape keeps any bytes; the records we write are UTF-8 anyway.
     line = {
         "topic": record.topic,
@@ -47,12 +47,14 @@ def encode(record: KafkaRecord) -> bytes:
     return json.dumps(line, separators=(",", ":")).encode() + b"\n"
 
 
-def decode(line: bytes) -> KafkaRecord:
+def decode(line: bytes) -> OutgoingRecord:
     """Raises ValueError for a line that is not a spooled record (e.g. torn by a crash)."""
     try:
         data: Any = json.loads(line)
         headers = [(str(name), _bytes(value)) for name, value in data["headers"]]
-        return KafkaRecord(str(data["topic"]), _bytes(data["key"]), _bytes(data["value"]), headers)
+        return OutgoingRecord(
+            str(data["topic"]), _bytes(data["key"]), _bytes(data["value"]), headers
+        )
     except (KeyError, TypeError, UnicodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"not a spooled record: {exc}") from exc
 
@@ -137,7 +139,7 @@ class Spool:
     def is_empty(self) -> bool:
         return not self._segments
 
-    def append(self, records: Sequence[KafkaRecord]) -> int:
+    def append(self, records: Sequence[OutgoingRecord]) -> int:
         """Write and fsync; returns how many records were dropped to stay under max_bytes."""
         num_dropped = 0
         for record in records:
@@ -213,7 +215,7 @@ class Spool:
             self._seal()
         return self._segments[0]
 
-    def read(self, segment: Segment) -> tuple[list[KafkaRecord], int]:
+    def read(self, segment: Segment) -> tuple[list[OutgoingRecord], int]:
         """The segment's records, and how many of its lines were unreadable (skipped)."""
         records = []
         lines = segment.path.read_bytes().split(b"\n")

@@ -11,11 +11,11 @@ import logging
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import torch
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from services.config import Settings
+from services.shared.engine import build_engine
 from services.storage.models import RequestSummary
 from services.storage.repository import calibration_row, upsert_calibration
 from services.telemetry.control import publish_calibration
@@ -28,8 +28,7 @@ from sparse_engine.calibration.pipeline import (
 )
 from sparse_engine.calibration.store import Calibration, CalibrationStore
 from sparse_engine.data import corpora
-from sparse_engine.model.catalog import resolve_model
-from sparse_engine.model.loader import LoadedModel, load_model
+from sparse_engine.model.loader import LoadedModel
 from sparse_engine.sparsity.plan import Level
 
 log = logging.getLogger(__name__)
@@ -51,11 +50,8 @@ def recalibrate(
     level = Level.parse(str(job.params.get("level") or settings.engine.default_level))
     if level is Level.DENSE:
         raise ValueError("the dense level needs no calibration; choose a sparse level")
-    if settings.engine.threads:
-        torch.set_num_threads(settings.engine.threads)
-    lm = load_model(
-        resolve_model(job.params.get("model") or settings.engine.model, settings.cache_home)
-    )
+    # The engine as the gateway serves it; calibration reads its model through hooks.
+    lm = build_engine(settings, job.params.get("model")).lm
     store = CalibrationStore(settings.calibrations_dir)
     done = [c for c in store.list(lm.weights_sha256) if c.data.get("job_id") == job.id]
     if done:

@@ -9,10 +9,9 @@ import torch
 from torch import nn
 
 from sparse_engine.calibration.stats import ActivationStats, quantile_threshold
-from sparse_engine.model.arch import LayerParts, input_width
+from sparse_engine.model.arch import LayerParts, Unit, input_width
 
 GRID = tuple(i / 40 for i in range(39))  # 0.0 .. 0.95 in steps of 0.025
-Unit = tuple[str, int]
 
 
 def thresholds_for(

@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sparse_engine.calibration.allocation import GRID, Unit
+from sparse_engine.calibration.allocation import GRID
 from sparse_engine.calibration.stats import ActivationStats, quantile_threshold
-from sparse_engine.model.arch import LayerParts
+from sparse_engine.model.arch import LayerParts, Unit
 from sparse_engine.sparsity import signals
 from sparse_engine.sparsity.hooks import sparsified
 from sparse_engine.sparsity.plan import Level, SparsityPlan

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sparse_engine.model.arch import LayerParts
+from sparse_engine.model.arch import LayerParts, Unit
 
 LOG10_MIN, LOG10_MAX, NUM_BINS = -8.0, 4.0, 4800
 
@@ -26,7 +26,7 @@ class UnitStats:
 
 @dataclass(slots=True)
 class ActivationStats:
-    units: dict[tuple[str, int], UnitStats] = field(default_factory=dict)
+    units: dict[Unit, UnitStats] = field(default_factory=dict)
     residual_sq: dict[int, float] = field(default_factory=dict)  # per layer, sum of ||h||^2
     num_tokens: int = 0
 

@@ -20,7 +20,7 @@ from torch import nn
 from sparse_engine.model.arch import LayerParts
 
 KIND_ROLES = {"mlp": "down", "attn": "o"}  # channel kind -> projection whose input it is
-Unit = tuple[int, str]  # (layer, kind)
+ChannelSite = tuple[int, str]  # (layer, kind): where a set of channels lives
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +47,7 @@ class SilenceRule:
 
 
 @dataclass(slots=True)
-class UnitStats:
+class ChannelStats:
     """Running statistics of one (layer, kind); `near_zero_strict` counts at eps / factor."""
 
     positions: int
@@ -60,7 +60,7 @@ class UnitStats:
     series: list[torch.Tensor] = field(default_factory=list)
 
     @classmethod
-    def empty(cls, width: int) -> UnitStats:
+    def empty(cls, width: int) -> ChannelStats:
         a, b, c, d, e = (torch.zeros(width, dtype=torch.float64) for _ in range(5))
         return cls(0, a, b, c, d, e)
 
@@ -106,11 +106,11 @@ class UnitStats:
 
 @dataclass(slots=True)
 class Capture:
-    units: dict[Unit, UnitStats] = field(default_factory=dict)
+    units: dict[ChannelSite, ChannelStats] = field(default_factory=dict)
     samples: int = 0
     tokens: int = 0
 
-    def series_by_unit(self) -> dict[Unit, torch.Tensor]:
+    def series_by_unit(self) -> dict[ChannelSite, torch.Tensor]:
         return {unit: stats.series_matrix() for unit, stats in self.units.items()}
 
 
@@ -142,18 +142,18 @@ def capture(
     return result
 
 
-def _capture_hook(result: Capture, unit: Unit, rule: SilenceRule) -> Any:
+def _capture_hook(result: Capture, unit: ChannelSite, rule: SilenceRule) -> Any:
     def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
         rows = args[0].detach().reshape(-1, args[0].shape[-1])
         stats = result.units.get(unit)
         if stats is None:
-            stats = result.units[unit] = UnitStats.empty(rows.shape[-1])
+            stats = result.units[unit] = ChannelStats.empty(rows.shape[-1])
         stats.add(rows, rule)
 
     return hook
 
 
-def flag_silent(stats: UnitStats, rule: SilenceRule, critical: Iterable[int] = ()) -> list[int]:
+def flag_silent(stats: ChannelStats, rule: SilenceRule, critical: Iterable[int] = ()) -> list[int]:
     """Channels the rule marks silent; `critical` channels are held to `rule.strict()`."""
     flags = _silent_mask(stats.mean, stats.std, stats.share(), rule)
     chosen = sorted(set(critical))
@@ -170,7 +170,7 @@ def _silent_mask(
     return constant_zero | (share >= rule.near_zero_share)
 
 
-def flag_bias_like(stats: UnitStats, rule: SilenceRule) -> list[int]:
+def flag_bias_like(stats: ChannelStats, rule: SilenceRule) -> list[int]:
     """High-magnitude, near-constant channels: they act as a bias (fold them, never prune)."""
     signed = stats.signed_mean.abs()
     floor = rule.bias_ratio * float(stats.mean.median())
@@ -201,7 +201,9 @@ class ChannelSet:
     signed_mean: list[float]
 
     @classmethod
-    def from_stats(cls, stats: UnitStats, flagged: list[int], bias_like: list[int]) -> ChannelSet:
+    def from_stats(
+        cls, stats: ChannelStats, flagged: list[int], bias_like: list[int]
+    ) -> ChannelSet:
         return cls(
             size=stats.abs_sum.numel(),
             silent=[],
@@ -270,7 +272,7 @@ class SilenceMap:
             ablation=Ablation(**data["ablation"]),
         )
 
-    def silent_channels(self) -> dict[Unit, list[int]]:
+    def silent_channels(self) -> dict[ChannelSite, list[int]]:
         return {(lm.layer, k): cs.silent for lm in self.layers for k, cs in lm.kinds().items()}
 
 

@@ -22,10 +22,10 @@ from sparse_engine.compression.silence import (
     KIND_ROLES,
     Ablation,
     ChannelSet,
+    ChannelSite,
     LayerMap,
     SilenceMap,
     SilenceRule,
-    Unit,
     capture,
     flag_bias_like,
     flag_silent,
@@ -41,7 +41,9 @@ METRICS = ("perplexity", "answers")
 
 
 @contextmanager
-def channels_zeroed(layers: list[LayerParts], channels: dict[Unit, list[int]]) -> Iterator[None]:
+def channels_zeroed(
+    layers: list[LayerParts], channels: dict[ChannelSite, list[int]]
+) -> Iterator[None]:
     """Zero the listed input channels of each unit's projection for the duration of the block."""
     handles: list[RemovableHandle] = []
     try:
@@ -94,7 +96,7 @@ def greedy_answers(model: nn.Module, prompts: list[torch.Tensor], new: int = 24)
 
 
 def ablate(
-    lm: LoadedModel, data: CalibrationData, candidates: dict[Unit, list[int]], metric: str
+    lm: LoadedModel, data: CalibrationData, candidates: dict[ChannelSite, list[int]], metric: str
 ) -> Ablation:
     dense = measure(lm, data, metric)
     with channels_zeroed(lm.layers, candidates):
@@ -109,7 +111,7 @@ def ablate(
     return Ablation(metric, dense_score, score, change, False, _candidate_rows(candidates))
 
 
-def _candidate_rows(candidates: dict[Unit, list[int]]) -> list[dict[str, Any]]:
+def _candidate_rows(candidates: dict[ChannelSite, list[int]]) -> list[dict[str, Any]]:
     rows: dict[int, dict[str, Any]] = {}
     for (layer, kind), index in sorted(candidates.items()):
         if index:
@@ -121,10 +123,10 @@ def build_map(
     lm: LoadedModel,
     data: CalibrationData,
     rule: SilenceRule,
-    critical: dict[Unit, list[int]] | None = None,
+    critical: dict[ChannelSite, list[int]] | None = None,
     metric: str = "perplexity",
     progress: Callable[[int], None] | None = None,
-) -> tuple[SilenceMap, dict[Unit, torch.Tensor]]:
+) -> tuple[SilenceMap, dict[ChannelSite, torch.Tensor]]:
     """The silence map of `lm` on `data`, and each unit's (samples, channels) mean |a|."""
     if metric not in METRICS:
         raise ValueError(f"unknown ablation metric '{metric}'; choose one of: {', '.join(METRICS)}")
@@ -167,10 +169,10 @@ def build_map(
     ), captured.series_by_unit()
 
 
-def read_critical(path: Path) -> dict[Unit, list[int]]:
+def read_critical(path: Path) -> dict[ChannelSite, list[int]]:
     """Critical channels from a text file: one `LAYER KIND CHANNEL` per line (KIND is mlp or
     attn), `#` starts a comment. Example: `12 mlp 431`."""
-    found: dict[Unit, list[int]] = {}
+    found: dict[ChannelSite, list[int]] = {}
     for num, line in enumerate(path.read_text().splitlines(), 1):
         words = line.split("#", 1)[0].split()
         if not words:

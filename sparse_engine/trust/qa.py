@@ -59,14 +59,14 @@ def qa_messages(item: QAItem) -> list[Message]:
     return [{"role": "user", "content": text}]
 
 
-def normalise(text: str) -> str:
+def normalise_answer(text: str) -> str:
     """Lower case, no punctuation, no articles, single spaces."""
     text = _ARTICLES.sub(" ", text.lower().translate(_PUNCTUATION))
     return " ".join(text.split())
 
 
 def token_f1(answer: str, gold: str) -> float:
-    predicted, truth = normalise(answer).split(), normalise(gold).split()
+    predicted, truth = normalise_answer(answer).split(), normalise_answer(gold).split()
     common = sum((Counter(predicted) & Counter(truth)).values())
     if not common:
         return 0.0
@@ -76,8 +76,8 @@ def token_f1(answer: str, gold: str) -> float:
 
 def grade(answer: str, golds: tuple[str, ...]) -> Grade:
     """The best containment and F1 over the acceptable answers."""
-    said = f" {normalise(answer)} "
-    contains = any(g and f" {g} " in said for g in map(normalise, golds))
+    said = f" {normalise_answer(answer)} "
+    contains = any(g and f" {g} " in said for g in map(normalise_answer, golds))
     return Grade(contains, max((token_f1(answer, g) for g in golds), default=0.0))
 
 
