@@ -62,6 +62,9 @@ class Relative:
 
 Band = tuple[float, float]
 Threshold = float | Band | Relative
+# Named signal values a rule's threshold may refer to (`{signal: gate_band}`); the services
+# build it from their signal settings, so the rules and the gateway share one number.
+Signals = Mapping[str, float | Band]
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from alerts.definitions import (
     Op,
     Relative,
     Severity,
+    Signals,
     Threshold,
 )
 from alerts.durations import parse_duration
@@ -26,6 +27,7 @@ from alerts.templates import check_template
 from alerts.yaml_nodes import Entry, Reader
 
 RELATIVE_KEYS = ("relative_to", "factor", "default")
+SIGNAL_KEY = "signal"
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -71,15 +73,76 @@ def read_op(reader: Reader, node: yaml.Node, what: str) -> Op:
 
 
 def read_threshold(
-    reader: Reader, node: yaml.Node, op: Op, window: str | None, what: str
+    reader: Reader,
+    node: yaml.Node,
+    op: Op,
+    window: str | None,
+    what: str,
+    signals: Signals | None,
 ) -> Threshold:
     if op == "outside":
+        if _names_signal(node):
+            return _signal_band(reader, node, what, signals)
         return _band(reader, node, what)
-    if isinstance(node, yaml.MappingNode):
-        return _relative(reader, node, window, what)
+    if isinstance(node, yaml.MappingNode) and not _names_signal(node):
+        return _relative(reader, node, window, what, signals)
+    if isinstance(node, yaml.SequenceNode):
+        expected = "a number, {signal: NAME} or {relative_to: ...}"
+        raise reader.wrong_type(node, f"{what} 'threshold'", expected)
+    return _number(reader, node, f"{what} 'threshold'", signals)
+
+
+def _number(reader: Reader, node: yaml.Node, what: str, signals: Signals | None) -> float:
+    """A number, or `{signal: NAME}` naming a number among `signals`."""
+    if _names_signal(node):
+        value, name_node = _signal(reader, node, what, signals)
+        if isinstance(value, tuple):
+            raise reader.error(
+                name_node, f"{what}: signal {name_node.value!r} is a band, not a number"
+            )
+        return value
     if not isinstance(node, yaml.ScalarNode):
-        raise reader.wrong_type(node, f"{what} 'threshold'", "a number or {relative_to: ...}")
-    return reader.number(node, f"{what} 'threshold'")
+        raise reader.wrong_type(node, what, "a number or {signal: NAME}")
+    return reader.number(node, what)
+
+
+def _names_signal(node: yaml.Node) -> bool:
+    return isinstance(node, yaml.MappingNode) and any(
+        isinstance(key, yaml.ScalarNode) and key.value == SIGNAL_KEY for key, _ in node.value
+    )
+
+
+def _signal(
+    reader: Reader, node: yaml.Node, what: str, signals: Signals | None
+) -> tuple[float | Band, yaml.Node]:
+    """The value `{signal: NAME}` names, and the name's node (for errors)."""
+    entries = reader.mapping(node, what)
+    reader.reject_unknown(entries, (SIGNAL_KEY,), what)
+    name_node = entries[SIGNAL_KEY][1]
+    name = reader.string(name_node, f"{what} {SIGNAL_KEY!r}")
+    if signals is None:
+        raise reader.error(
+            name_node,
+            f"{what}: names signal {name!r} but no signal values were given: "
+            "pass signals= to load_rules or parse_rules",
+        )
+    if name not in signals:
+        known = ", ".join(sorted(signals))
+        raise reader.error(name_node, f"{what}: unknown signal {name!r} (known: {known})")
+    return signals[name], name_node
+
+
+def _signal_band(reader: Reader, node: yaml.Node, what: str, signals: Signals | None) -> Band:
+    value, name_node = _signal(reader, node, f"{what} 'threshold'", signals)
+    if not isinstance(value, tuple):
+        raise reader.error(
+            name_node,
+            f"{what}: signal {name_node.value!r} is a number: op 'outside' needs a [low, high] band",
+        )
+    low, high = value
+    if low > high:
+        raise reader.error(name_node, f"{what}: bad threshold: low {low} is above high {high}")
+    return low, high
 
 
 def _band(reader: Reader, node: yaml.Node, what: str) -> Band:
@@ -92,7 +155,9 @@ def _band(reader: Reader, node: yaml.Node, what: str) -> Band:
     return low, high
 
 
-def _relative(reader: Reader, node: yaml.Node, window: str | None, what: str) -> Relative:
+def _relative(
+    reader: Reader, node: yaml.Node, window: str | None, what: str, signals: Signals | None
+) -> Relative:
     entries = reader.mapping(node, f"{what} 'threshold'")
     reader.reject_unknown(entries, RELATIVE_KEYS, f"{what} 'threshold'")
     if "relative_to" not in entries:
@@ -110,7 +175,9 @@ def _relative(reader: Reader, node: yaml.Node, window: str | None, what: str) ->
     return Relative(
         relative_to=base,
         factor=1.0 if factor is None else reader.number(factor[1], f"{what} 'factor'"),
-        default=None if default is None else reader.number(default[1], f"{what} 'default'"),
+        default=None
+        if default is None
+        else _number(reader, default[1], f"{what} 'default'", signals),
     )
 
 

@@ -1,5 +1,5 @@
-"""Alert rules from YAML: `load_rules(path)`, `parse_rules(text, source)` and the packaged
-`DEFAULT_RULES`. Every mistake raises `RuleError` naming the file, the line and the reason.
+"""Alert rules from YAML: `load_rules(path, signals)`, `parse_rules(text, source, signals)` and the
+packaged `DEFAULT_RULES`. Every mistake raises `RuleError` naming the file, the line and the reason.
 
 A file is a mapping with one key, `rules`, a list of rules:
 
@@ -8,7 +8,7 @@ A file is a mapping with one key, `rules`, a list of rules:
         metric: sparsity_mean            # required, see alerts.definitions
         window: 5m                       # window metrics only: 5m | 1h | 24h
         op: "<"                          # required: < | > | outside
-        threshold: {relative_to: sparsity_target, factor: 1.0, default: 0.60}
+        threshold: {relative_to: sparsity_target, default: {signal: sparsity_target_default}}
         min_requests: 20                 # window metrics only, default 1
         for: 5m                          # default 0s: fire at once
         severity: warning                # info | warning | critical, default warning
@@ -17,7 +17,9 @@ A file is a mapping with one key, `rules`, a list of rules:
         actions: [webhook, recalibrate]  # webhook | recalibrate | flag_finetune | fallback
 
 `threshold` is a number, `[low, high]` for `outside`, or a mapping relative to another metric
-of the same sample.
+of the same sample. A number or a band may instead name a signal value, `{signal: gate_band}`:
+`signals` maps those names to their values (the services pass their signal settings, so a rule
+and the gateway never hold two copies of one threshold). Rules that name a signal need it.
 """
 
 from __future__ import annotations
@@ -27,10 +29,18 @@ from pathlib import Path
 import yaml
 
 from alerts import rule_fields as fields
-from alerts.definitions import Relative, Rule, RuleError
+from alerts.definitions import Relative, Rule, RuleError, Signals
 from alerts.yaml_nodes import Reader
 
-__all__ = ["DEFAULT_RULES", "Relative", "Rule", "RuleError", "load_rules", "parse_rules"]
+__all__ = [
+    "DEFAULT_RULES",
+    "Relative",
+    "Rule",
+    "RuleError",
+    "Signals",
+    "load_rules",
+    "parse_rules",
+]
 
 DEFAULT_RULES = Path(__file__).with_name("default_rules.yaml")
 RULE_KEYS = (
@@ -49,12 +59,12 @@ RULE_KEYS = (
 REQUIRED = ("metric", "op", "threshold")
 
 
-def load_rules(path: Path | str) -> list[Rule]:
+def load_rules(path: Path | str, signals: Signals | None = None) -> list[Rule]:
     file = Path(path)
-    return parse_rules(file.read_text(encoding="utf-8"), str(file))
+    return parse_rules(file.read_text(encoding="utf-8"), str(file), signals)
 
 
-def parse_rules(text: str, source: str = "<rules>") -> list[Rule]:
+def parse_rules(text: str, source: str = "<rules>", signals: Signals | None = None) -> list[Rule]:
     reader = Reader(source)
     root = _compose(text, source)
     top = reader.mapping(root, "the rules file")
@@ -64,7 +74,7 @@ def parse_rules(text: str, source: str = "<rules>") -> list[Rule]:
     rules: list[Rule] = []
     seen: dict[str, int] = {}
     for node in reader.sequence(top["rules"][1], "'rules'"):
-        rule = _rule(reader, node)
+        rule = _rule(reader, node, signals)
         if rule.name in seen:
             raise reader.error(
                 node, f"duplicate rule name {rule.name!r} (first defined on line {seen[rule.name]})"
@@ -91,7 +101,7 @@ def _compose(text: str, source: str) -> yaml.Node:
     return root
 
 
-def _rule(reader: Reader, node: yaml.Node) -> Rule:
+def _rule(reader: Reader, node: yaml.Node, signals: Signals | None) -> Rule:
     entries = reader.mapping(node, "rule")
     if "name" not in entries:
         raise reader.error(node, "rule: missing field 'name'")
@@ -109,7 +119,7 @@ def _rule(reader: Reader, node: yaml.Node) -> Rule:
         metric=metric,
         window=window,
         op=op,
-        threshold=fields.read_threshold(reader, entries["threshold"][1], op, window, what),
+        threshold=fields.read_threshold(reader, entries["threshold"][1], op, window, what, signals),
         min_requests=fields.read_min_requests(reader, entries.get("min_requests"), window, what),
         for_s=fields.read_for(reader, entries.get("for"), what),
         severity=fields.read_severity(reader, entries.get("severity"), what),

@@ -1,14 +1,15 @@
 """The one settings object every SparseGuard process is built from (env prefix SPARSEGUARD_,
-nested sections with `__`, e.g. SPARSEGUARD_ENGINE__MODEL, SPARSEGUARD_GATEWAY__PORT)."""
+nested sections with `__`, e.g. SPARSEGUARD_ENGINE__MODEL, SPARSEGUARD_SIGNALS__SPIKE_SILENCE)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.telemetry.schema import REASON_LOW_SCORE, REASON_SILENCE_SPIKE
 from sparse_engine.model.catalog import DEFAULT_MODEL
 
 
@@ -122,11 +123,46 @@ class JobSettings(BaseModel):
     golden_levels: list[str] = Field(
         default_factory=lambda: ["conservative", "balanced", "aggressive"]
     )
-    drift_budget_bleu: float = Field(0.8, ge=0)  # per check
-    drift_recalibrate_bleu: float = Field(1.2, ge=0)  # 24 h average
     # Recalibration on recent traffic (when prompt text is kept), else the calibration corpus.
     traffic_window_h: float = Field(24.0, gt=0)
     traffic_min_prompts: int = Field(200, ge=1)
+
+
+Band = tuple[float, float]
+Threshold = float | Band
+
+
+class SignalSettings(BaseModel):
+    """Every signal threshold and band (the published defaults), read by the gateway's trust
+    reasons, the aggregator's fold, the alert rules, the dashboards and the golden-set check,
+    so that changing one here moves all of them (SPARSEGUARD_SIGNALS__SPIKE_SILENCE=0.85)."""
+
+    late_band: int = Field(3, ge=1)  # last layers whose mean silence is the spike signal
+    spike_silence: float = Field(0.80, ge=0.0, le=1.0)  # late-band silence above this: a spike
+    spike_z: float = Field(4.0, gt=0.0)  # or this many std above the level's rolling baseline
+    gate_band: Band = (0.75, 0.92)  # healthy gate confidence [low, high]
+    gate_uniform_entropy: float = Field(0.95, ge=0.0, le=1.0)  # gate degraded above this
+    monotonous_confidence: float = Field(0.95, ge=0.0, le=1.0)  # monotonous input above this
+    sparsity_target_default: float = Field(0.60, ge=0.0, le=1.0)  # when no target is known
+    drift_kl_24h: float = Field(1.2, ge=0.0)  # 24 h mean KL(dense || sparse) above this alerts
+    cache_hit_min: float = Field(0.7, ge=0.0, le=1.0)  # prefix cache hit rate below this alerts
+    drift_budget_bleu: float = Field(0.8, ge=0.0)  # golden-set BLEU drift budget per check
+    drift_recalibrate_bleu: float = Field(1.2, ge=0.0)  # 24 h mean above this: recalibrate
+
+    @field_validator("gate_band")
+    @classmethod
+    def _ordered(cls, band: Band) -> Band:
+        if band[0] > band[1]:
+            raise ValueError(f"gate_band needs low <= high, got {list(band)}")
+        return band
+
+    def as_thresholds(self) -> dict[str, Threshold]:
+        """The signals by name, for `alerts.rules.load_rules(path, signals=...)` (the alert
+        library does not import the settings)."""
+        return {
+            name: value if isinstance(value, tuple) else float(value)
+            for name, value in self.model_dump().items()
+        }
 
 
 TrustAction = Literal["retrieve", "simplify", "flag"]
@@ -138,14 +174,10 @@ class TrustSettings(BaseModel):
     # Below this score (the trust model's probability that the answer is right) trust is low.
     # On held-out HaluEval, 0.3 flagged 17 % of answers, right half as often as the rest.
     min_score: float = Field(0.3, ge=0.0, le=1.0)
-    spike_silence: float = Field(0.80, ge=0.0, le=1.0)  # late-layer band silence: a spike
-    spike_z: float = Field(4.0, gt=0.0)  # or this many std above the level's rolling baseline
     baseline_span: int = Field(200, ge=2)  # requests in the rolling baseline's EWMA
     baseline_min_requests: int = Field(30, ge=1)  # before this, no deviation is judged
-    gate_uniform_entropy: float = Field(0.95, ge=0.0, le=1.0)  # gate degraded above this
-    monotonous_confidence: float = Field(0.95, ge=0.0, le=1.0)  # monotonous input above this
     # Reasons that trigger the action; any other reason is reported only.
-    act_on: list[str] = Field(default_factory=lambda: ["silence-spike", "low-score"])
+    act_on: list[str] = Field(default_factory=lambda: [REASON_SILENCE_SPIKE, REASON_LOW_SCORE])
     default_action: TrustAction = "flag"
     actions: dict[str, TrustAction] = Field(default_factory=dict)  # per route path
     retrieve_passages: int = Field(3, ge=1, le=20)
@@ -170,6 +202,7 @@ class Settings(BaseSettings):
     alerts: AlertSettings = Field(default_factory=lambda: AlertSettings())
     jobs: JobSettings = Field(default_factory=lambda: JobSettings())
     trust: TrustSettings = Field(default_factory=lambda: TrustSettings())
+    signals: SignalSettings = Field(default_factory=lambda: SignalSettings())
 
     @property
     def cache_home(self) -> Path:

@@ -42,7 +42,7 @@ def test_calibrate_stays_within_budgets_and_round_trips(tmp_path: Path) -> None:
     loaded = store.load(conservative.version)
     assert loaded == conservative
     assert [c.version for c in store.list(lm.weights_sha256)] == sorted(c.version for c in results)
-    engine = Engine.from_store(lm, store)
+    engine = Engine(lm, store.latest_plans(lm.weights_sha256))
     stats = engine.generate(
         GenerationRequest(prompt="Doc", max_new_tokens=4), Level.AGGRESSIVE
     ).result()

@@ -20,7 +20,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def engine(smollm: LoadedModel, calibrated_store: CalibrationStore) -> Engine:
-    return Engine.from_store(smollm, calibrated_store)
+    return Engine(smollm, calibrated_store.latest_plans(smollm.weights_sha256))
 
 
 @pytest.mark.parametrize("level", [Level.DENSE, Level.BALANCED])
@@ -60,7 +60,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def fast_engine(smollm: LoadedModel, calibrated_store: CalibrationStore) -> Engine:
-    engine = Engine.from_store(smollm, calibrated_store)
+    engine = Engine(smollm, calibrated_store.latest_plans(smollm.weights_sha256))
     native = kernels.load()
     assert native is not None, "the compiled kernels did not build: see the warning logged"
     engine.enable_fast_path("float32", native)

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 def test_openai_sdk_gets_paris_from_smollm(
     smollm: LoadedModel, calibrated_store: CalibrationStore, tmp_path: Path, level: str
 ) -> None:
-    engine = Engine.from_store(smollm, calibrated_store, PrefixCache())
+    engine = Engine(smollm, calibrated_store.latest_plans(smollm.weights_sha256), PrefixCache())
     sink = RecordingSink()
     with running_gateway(settings_for(tmp_path), engine, sink) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)

@@ -332,7 +332,7 @@ def test_golden_create_freezes_smollm_answers(
 def test_check_on_smollm_balanced(
     smollm: LoadedModel, calibrated_store: CalibrationStore, home: Path
 ) -> None:
-    engine = Engine.from_store(smollm, calibrated_store)
+    engine = Engine(smollm, calibrated_store.latest_plans(smollm.weights_sha256))
     references = mtbench_references(home)
     answered = [q for q in mtbench_questions(home) if q.question_id in references][:3]
     items = [

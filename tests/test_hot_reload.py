@@ -162,7 +162,7 @@ def test_gateway_installs_published_calibrations_for_its_weights_only(
     assert store.load("tiny-balanced-v2").data == {"corpus": "test"}
     with pytest.raises(CalibrationNotFoundError):
         store.load("other-v9")
-    restarted = Engine.from_store(engine.lm, store)
+    restarted = Engine(engine.lm, store.latest_plans(engine.lm.weights_sha256))
     assert restarted.plan(Level.BALANCED).calibration_version == "tiny-balanced-v2"
     labels = {"level": "balanced"}
     assert registry.get_sample_value("sparseguard_calibration_reloads_total", labels) == 1.0

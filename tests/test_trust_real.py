@@ -42,7 +42,7 @@ QA = [
 def test_retrieval_puts_the_fact_into_smollm_s_answer(
     smollm: LoadedModel, calibrated_store: CalibrationStore, tmp_path: Path
 ) -> None:
-    engine = Engine.from_store(smollm, calibrated_store)
+    engine = Engine(smollm, calibrated_store.latest_plans(smollm.weights_sha256))
     distrustful_model(tmp_path, smollm.model_id)
     settings = settings_for(tmp_path, default_action="retrieve")
     with_knowledge(settings, [Passage("notes", "Lighthouse", FACT)])

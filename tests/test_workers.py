@@ -134,7 +134,10 @@ def stack(
 def test_a_recalibration_reaches_a_running_gateway_without_a_restart(
     stack: Stack, smollm: LoadedModel
 ) -> None:
-    engine = Engine.from_store(smollm, CalibrationStore(stack.settings.calibrations_dir))
+    engine = Engine(
+        smollm,
+        CalibrationStore(stack.settings.calibrations_dir).latest_plans(smollm.weights_sha256),
+    )
     old = engine.plan(Level.BALANCED).calibration_version
     app = create_app(stack.settings, engine=engine)
     with serve(app) as url, httpx.Client(base_url=url, timeout=60) as client:

@@ -54,7 +54,9 @@ class Aggregator:
         self.metrics = metrics
         self.after_persist = after_persist  # tests use it to crash between persist and commit
         self.state = windows.new_state(
-            windows.FoldConfig(lateness_s=settings.aggregator.lateness_s)
+            windows.FoldConfig(
+                lateness_s=settings.aggregator.lateness_s, gate_band=settings.signals.gate_band
+            )
         )
         self.lock = threading.Lock()  # the HTTP thread reads the state
         self.key_partitions: dict[tuple[str, str], int] = {}
@@ -190,7 +192,7 @@ class Aggregator:
             late = self.state.late_dropped - late_before
         self.metrics.counter("events_late_total").inc(late)
         now = datetime.now(UTC)
-        self.metrics.observe(events, now, self.state.config)
+        self.metrics.observe(events, now)
         self.recent_latency_s.extend((now - e.time).total_seconds() for e in events)
         self.folded += len(events)
 

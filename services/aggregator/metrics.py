@@ -10,7 +10,7 @@ from typing import cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from services.aggregator.windows import FoldConfig, observe
+from services.aggregator.windows import is_spike
 from services.shared.metrics_table import MetricSpec, declare
 from services.telemetry.schema import TelemetryEvent
 
@@ -103,10 +103,7 @@ class AggregatorMetrics:
     def gauge(self, name: str) -> Gauge:
         return cast(Gauge, self.m[name])
 
-    def observe(
-        self, events: Iterable[TelemetryEvent], now: datetime, config: FoldConfig | None = None
-    ) -> None:
-        config = config or FoldConfig()
+    def observe(self, events: Iterable[TelemetryEvent], now: datetime) -> None:
         for e in events:
             key = (e.model, e.level)
             self.counter("events_total").labels(*key, e.status).inc()
@@ -114,7 +111,7 @@ class AggregatorMetrics:
                 max(0.0, (now - e.time).total_seconds())
             )
             self._observe_signals(e, key)
-            if observe(e, config).spike:
+            if is_spike(e):  # the gateway's reason, as the windows count it
                 self.counter("silence_spikes_total").labels(*key).inc()
 
     def _observe_signals(self, e: TelemetryEvent, key: tuple[str, str]) -> None:

@@ -13,7 +13,9 @@ own bucket. `snapshot(state, now)` summarises, per window, the buckets whose sta
 `now` is meant to be at or after the watermark (the wall clock); an earlier `now` only sees
 buckets not yet recycled.
 
-Error events count in `requests` and `errors` only. Means skip missing and non-finite values
+A silence spike is an event whose `trust_reasons` carry REASON_SILENCE_SPIKE: the gateway judged
+it against the signal settings, the fold only counts it. Error events count in `requests` and
+`errors` only. Means skip missing and non-finite values
 and keep their own denominators. Latency and TTFT go into fixed log-spaced histograms
 (`histograms`), so partial states merge exactly: `merge(a, b)` is the alternative to owning a
 partition key outright (each member folds what it gets, a reader adds the states up).
@@ -29,7 +31,8 @@ from datetime import UTC, datetime
 
 from services.aggregator.histograms import Histogram
 from services.aggregator.summary import WindowSummary
-from services.telemetry.schema import TelemetryEvent
+from services.config import SignalSettings
+from services.telemetry.schema import REASON_SILENCE_SPIKE, TelemetryEvent
 
 WINDOWS: dict[str, float] = {"5m": 300, "1h": 3600, "24h": 86400}
 DEFAULT_BUCKET_S: dict[str, float] = {"5m": 10, "1h": 60, "24h": 900}
@@ -50,9 +53,8 @@ Key = tuple[str, str]  # (model, level), the telemetry partition key
 class FoldConfig:
     bucket_s: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_BUCKET_S))
     lateness_s: float = 120.0
-    gate_band: tuple[float, float] = (0.75, 0.92)
-    spike_threshold: float = 0.80  # mean silence rate of the late-layer band
-    late_layers: int = 3
+    # The healthy gate confidence band; the aggregator passes settings.signals.gate_band.
+    gate_band: tuple[float, float] = field(default_factory=lambda: SignalSettings().gate_band)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.bucket_s) - set(WINDOWS))
@@ -61,8 +63,8 @@ class FoldConfig:
         for window, size in self.bucket_s.items():
             if not size > 0 or abs(WINDOWS[window] / size - self.ring_size(window)) > 1e-9:
                 raise ValueError(f"bucket_s[{window!r}]={size} must divide {WINDOWS[window]} s")
-        if self.lateness_s < 0 or self.late_layers < 1 or self.gate_band[0] > self.gate_band[1]:
-            raise ValueError("need lateness_s >= 0, late_layers >= 1 and gate_band (low, high)")
+        if self.lateness_s < 0 or self.gate_band[0] > self.gate_band[1]:
+            raise ValueError("need lateness_s >= 0 and gate_band (low, high)")
 
     def ring_size(self, window: str) -> int:
         return max(1, round(WINDOWS[window] / self.bucket_s[window]))
@@ -82,20 +84,24 @@ class Observation:
     total_ms: float | None = None
 
 
+def is_spike(event: TelemetryEvent) -> bool:
+    """Whether the gateway judged the request a late-layer silence spike."""
+    return event.status != "error" and REASON_SILENCE_SPIKE in event.trust_reasons
+
+
 def observe(event: TelemetryEvent, config: FoldConfig) -> Observation:
     if event.status == "error":
         return Observation(is_error=True, values=[None] * len(MEAN_FIELDS))
     values = [_finite(getattr(event, name)) for name in MEAN_FIELDS]
     gate = values[_GATE]
     silence = [_finite(rate) for rate in event.silence_rate_per_layer]
-    band = [rate for rate in silence[-config.late_layers :] if rate is not None]
     action = event.trust_action if event.trust_action != "none" else None
     return Observation(
         is_error=False,
         values=values,
         gate_outside=gate is not None and not config.gate_band[0] <= gate <= config.gate_band[1],
         silence=silence,
-        spike=bool(band) and sum(band) / len(band) > config.spike_threshold,
+        spike=is_spike(event),
         trust_action=action,
         ttft_ms=_finite(event.ttft_ms),
         total_ms=_finite(event.total_ms),

@@ -30,7 +30,8 @@ from sparse_engine.data.splits import evaluation_tokens
 from sparse_engine.model.catalog import DEFAULT_MODEL, gguf_file
 from sparse_engine.runtime import kernels
 from sparse_engine.runtime.engine import Engine
-from sparse_engine.runtime.fastpath import DTYPES, FastDecoder
+from sparse_engine.runtime.fast_weights import DTYPES
+from sparse_engine.runtime.fastpath import FastDecoder
 from sparse_engine.sparsity.plan import SPARSE_LEVELS, Level
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."

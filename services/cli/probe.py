@@ -13,6 +13,7 @@ from services.shared.engine import build_engine
 from sparse_engine.calibration.store import CalibrationNotFoundError
 from sparse_engine.runtime.engine import GenerationRequest, GenerationStats
 from sparse_engine.sparsity.plan import Level
+from sparse_engine.trust.features import late_silence
 
 BUILTIN_SAMPLE = "Explain in two sentences why the sky looks blue during the day and red at sunset."
 # A probe task names the domain of the input; the engine prefers a calibration made on it.
@@ -23,7 +24,6 @@ TASK_CORPORA = {
     "qa": "halueval",
     "technical": "technical",
 }
-LATE_BAND = 3
 
 
 def register(commands: Any) -> None:
@@ -53,7 +53,7 @@ def run_probe(args: argparse.Namespace, settings: Settings) -> int:
         measure_drift=True,
     )
     stats = eng.generate(request, level).result()
-    report = to_report(stats, args.task)
+    report = to_report(stats, args.task, settings.signals.late_band)
     if args.json:
         emit_json(report)
     else:
@@ -73,7 +73,7 @@ def read_prompt(path: Path | None) -> str:
     return text
 
 
-def to_report(stats: GenerationStats, task: str | None) -> dict[str, Any]:
+def to_report(stats: GenerationStats, task: str | None, late_band: int) -> dict[str, Any]:
     sig = stats.signals
     if sig is None:
         raise ValueError("probe needs signals")
@@ -90,7 +90,7 @@ def to_report(stats: GenerationStats, task: str | None) -> dict[str, Any]:
         "gate_confidence": round(sig.gate_confidence, 4),
         "gate_entropy": round(sig.gate_entropy, 4),
         "silence_rate_per_layer": [round(v, 4) for v in silence],
-        "silence_late_band": round(sum(silence[-LATE_BAND:]) / min(LATE_BAND, len(silence)), 4),
+        "silence_late_band": round(late_silence(silence, late_band), 4),
         "input_entropy_bits_per_char": round(stats.input_entropy_bits_per_char, 3),
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.completion_tokens,

@@ -79,9 +79,10 @@ def fit_trust(args: argparse.Namespace, settings: Settings) -> int:
         level=level.value,
         fit_data=_data_info(args, records),
         l2=args.l2,
+        late_band=settings.signals.late_band,
     )
     model = TrustStore(settings.trust_dir).save(model)
-    fitted = report(records, model, None)
+    fitted = report(records, model, None, settings.signals.late_band)
     emit(
         f"trust model {model.version}: {len(records)} answers ({model.fit_data['right']} right), "
         f"in-sample AUROC {fitted.trust_auroc:.3f}; saved in {settings.trust_dir}"
@@ -92,7 +93,7 @@ def fit_trust(args: argparse.Namespace, settings: Settings) -> int:
 def eval_trust_score(args: argparse.Namespace, settings: Settings) -> int:
     eng, records, _ = _answers(args, settings)
     model = _trust_model(args, settings, eng)
-    result = report(records, model, _data_info(args, records))
+    result = report(records, model, _data_info(args, records), settings.signals.late_band)
     if args.json:
         emit_json(result.to_dict())
     else:

@@ -9,7 +9,13 @@ import logging
 import math
 from dataclasses import dataclass, replace
 
-from services.config import Settings, TrustSettings
+from services.config import Settings, SignalSettings, TrustSettings
+from services.telemetry.schema import (
+    REASON_GATE_DEGRADED,
+    REASON_LOW_SCORE,
+    REASON_MONOTONOUS_INPUT,
+    REASON_SILENCE_SPIKE,
+)
 from sparse_engine.runtime.generation import GenerationStats
 from sparse_engine.sparsity.plan import Level
 from sparse_engine.trust.features import RequestSignals, from_stats, rule_score
@@ -17,10 +23,6 @@ from sparse_engine.trust.model import TrustModel, TrustModelNotFoundError, Trust
 
 log = logging.getLogger(__name__)
 
-SILENCE_SPIKE = "silence-spike"
-GATE_DEGRADED = "gate-degraded"
-MONOTONOUS_INPUT = "monotonous-input"
-LOW_SCORE = "low-score"
 LEVELS = tuple(level.value for level in Level)
 
 
@@ -76,6 +78,31 @@ class RollingBaseline:
         self._state[level] = (count + 1, mean, var)
 
 
+def trust_reasons(
+    sig: RequestSignals,
+    score: float,
+    signals: SignalSettings,
+    min_score: float,
+    is_dense: bool = False,
+    z: float | None = None,
+) -> tuple[str, ...]:
+    """The reasons that lowered an answer's trust, judged against `signals` (`z`: its late-band
+    silence in standard deviations above the level's baseline, None while that warms up)."""
+    found = []
+    if sig.late_silence(signals.late_band) > signals.spike_silence or (
+        z is not None and z > signals.spike_z
+    ):
+        found.append(REASON_SILENCE_SPIKE)
+    if not is_dense:  # a dense pass has no sparsifier whose gate could degrade
+        if sig.gate_entropy > signals.gate_uniform_entropy:
+            found.append(REASON_GATE_DEGRADED)
+        if sig.gate_confidence > signals.monotonous_confidence:
+            found.append(REASON_MONOTONOUS_INPUT)
+    if score < min_score:
+        found.append(REASON_LOW_SCORE)
+    return tuple(found)
+
+
 class TrustJudge:
     """Scores answers with the trust model fit at their level (else `model`, fit at another
     level, else the rule) and keeps the rolling silence baseline per level."""
@@ -83,49 +110,37 @@ class TrustJudge:
     def __init__(
         self,
         cfg: TrustSettings,
+        signals: SignalSettings,
         model: TrustModel | None,
         per_level: dict[str, TrustModel] | None = None,
     ) -> None:
         self.cfg = cfg
+        self.signals = signals
         self.model = model
         self.per_level = per_level or {}
         self.baseline = RollingBaseline(cfg.baseline_span, cfg.baseline_min_requests)
 
     def assess(self, stats: GenerationStats, prompt_text: str, is_dense: bool) -> Trust:
         sig = from_stats(stats, prompt_text)
+        late = sig.late_silence(self.signals.late_band)
         model = self.per_level.get(stats.level, self.model)
         score = self._score(model, sig)
-        reasons = self._reasons(sig, score, stats.level, is_dense)
+        z = self.baseline.z(stats.level, late)
+        reasons = trust_reasons(sig, score, self.signals, self.cfg.min_score, is_dense, z)
         if stats.signals is not None:
-            self.baseline.update(stats.level, sig.late_silence)
+            self.baseline.update(stats.level, late)
         low = any(r in self.cfg.act_on for r in reasons)
         action = "flag" if low else "none"
-        return Trust(round(score, 4), reasons, low, action, sig.late_silence)
+        return Trust(round(score, 4), reasons, low, action, late)
 
     def _score(self, model: TrustModel | None, sig: RequestSignals) -> float:
         if model is None:
-            return rule_score(sig)
+            return rule_score(sig, self.signals.late_band)
         try:
             return model.score(sig)
         except ValueError as exc:  # a model that does not fit these answers: never a 500
             log.error("trust model %s: %s; scoring 1 - late-layer silence", model.version, exc)
-            return rule_score(sig)
-
-    def _reasons(
-        self, sig: RequestSignals, score: float, level: str, is_dense: bool
-    ) -> tuple[str, ...]:
-        cfg, found = self.cfg, []
-        z = self.baseline.z(level, sig.late_silence)
-        if sig.late_silence > cfg.spike_silence or (z is not None and z > cfg.spike_z):
-            found.append(SILENCE_SPIKE)
-        if not is_dense:  # a dense pass has no sparsifier whose gate could degrade
-            if sig.gate_entropy > cfg.gate_uniform_entropy:
-                found.append(GATE_DEGRADED)
-            if sig.gate_confidence > cfg.monotonous_confidence:
-                found.append(MONOTONOUS_INPUT)
-        if score < cfg.min_score:
-            found.append(LOW_SCORE)
-        return tuple(found)
+            return rule_score(sig, self.signals.late_band)
 
 
 def load_judge(settings: Settings, model_id: str) -> TrustJudge:
@@ -134,16 +149,16 @@ def load_judge(settings: Settings, model_id: str) -> TrustJudge:
     store = TrustStore(settings.trust_dir)
     pinned = settings.trust.model_version
     if pinned:
-        return TrustJudge(settings.trust, store.load(pinned))
+        return TrustJudge(settings.trust, settings.signals, store.load(pinned))
     try:
         model = store.latest(model_id)
     except TrustModelNotFoundError as exc:
         log.warning("%s; trust falls back to 1 - late-layer silence", exc)
-        return TrustJudge(settings.trust, None)
+        return TrustJudge(settings.trust, settings.signals, None)
     per_level = {}
     for level in LEVELS:
         with contextlib.suppress(TrustModelNotFoundError):
             per_level[level] = store.latest(model_id, level)
     for level, found in per_level.items():
         log.info("trust model for %s: %s (fit on %s)", level, found.version, found.fit_data)
-    return TrustJudge(settings.trust, model, per_level)
+    return TrustJudge(settings.trust, settings.signals, model, per_level)

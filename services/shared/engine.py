@@ -35,7 +35,8 @@ def build_engine(
     the Hugging Face reference path (the reference rows of the benchmarks)."""
     lm = model if isinstance(model, LoadedModel) else load_served_model(settings, model)
     cache = PrefixCache() if prefix_cache and settings.engine.prefix_cache_entries else None
-    engine = Engine.from_store(lm, CalibrationStore(settings.calibrations_dir), cache)
+    plans = CalibrationStore(settings.calibrations_dir).latest_plans(lm.weights_sha256)
+    engine = Engine(lm, plans, cache)
     if fast and settings.engine.fast_path != "off":
         native = kernels.load()
         engine.enable_fast_path(

@@ -22,6 +22,13 @@ CE_SOURCE = "sparseguard/gateway"
 CONTENT_TYPE = "application/json"
 SCHEMA_PATH = Path(__file__).with_name("event-v1.schema.json")
 _VERSION_RE = re.compile(r"^(\d+)\.(\d+)$")
+# The trust reasons the gateway puts in `trust_reasons`. Consumers count these (the aggregator's
+# silence spikes are the events carrying REASON_SILENCE_SPIKE) rather than recompute them, so a
+# threshold lives only where the gateway judges.
+REASON_SILENCE_SPIKE = "silence-spike"
+REASON_GATE_DEGRADED = "gate-degraded"
+REASON_MONOTONOUS_INPUT = "monotonous-input"
+REASON_LOW_SCORE = "low-score"
 
 Headers = list[tuple[str, bytes]]
 

@@ -36,7 +36,7 @@ def golden_check(
         torch.set_num_threads(settings.engine.threads)
     model = job.params.get("model") or settings.engine.model
     lm = load_model(resolve_model(model, settings.cache_home))
-    engine = Engine.from_store(lm, CalibrationStore(settings.calibrations_dir))
+    engine = Engine(lm, CalibrationStore(settings.calibrations_dir).latest_plans(lm.weights_sha256))
     if settings.jobs.golden_set is not None:
         path = settings.golden_set_path
     else:

@@ -10,11 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from sparse_engine.jsonstore import JsonStore, stamped_version
-from sparse_engine.sparsity.plan import Level, SparsityPlan
-
-
-class CalibrationNotFoundError(LookupError):
-    """No calibration matches the request."""
+from sparse_engine.sparsity.plan import SPARSE_LEVELS, Level, SparsityPlan
+from sparse_engine.sparsity.plan import CalibrationNotFoundError as CalibrationNotFoundError
 
 
 @dataclass(slots=True)
@@ -103,3 +100,16 @@ class CalibrationStore:
                 + (f" --data {corpus}" if corpus else "")
             )
         return matching[-1]
+
+    def latest_plans(self, weights_sha256: str) -> dict[Level, SparsityPlan]:
+        """Each calibrated sparse level's latest plan for these weights, and the dense plan
+        carrying their silence reference (empty when nothing is calibrated)."""
+        plans = {}
+        for level in SPARSE_LEVELS:
+            try:
+                plans[level] = self.latest(weights_sha256, level).plan()
+            except CalibrationNotFoundError:
+                continue
+        if plans:
+            plans[Level.DENSE] = next(iter(plans.values())).as_dense()
+        return plans

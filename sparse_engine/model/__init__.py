@@ -1,0 +1,33 @@
+"""Models: where a decoder's parts live (`arch`, the role table), loading one (`loader`),
+the known models and GGUF conversion (`catalog`), a model directory's marker file
+(`model_dir`), and resizing MLPs (`surgery`, shared by the loader and plan-B pruning).
+May import `data` only."""
+
+from sparse_engine.model.arch import (
+    LayerParts,
+    Unit,
+    UnsupportedModelError,
+    find_layers,
+    input_width,
+)
+from sparse_engine.model.catalog import DEFAULT_MODEL, fetch_model, gguf_file, resolve_model
+from sparse_engine.model.loader import LoadedModel, load_model, wrap
+from sparse_engine.model.model_dir import MARKER_NAME, ModelError, weights_sha256
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "MARKER_NAME",
+    "LayerParts",
+    "LoadedModel",
+    "ModelError",
+    "Unit",
+    "UnsupportedModelError",
+    "fetch_model",
+    "find_layers",
+    "gguf_file",
+    "input_width",
+    "load_model",
+    "resolve_model",
+    "weights_sha256",
+    "wrap",
+]

@@ -14,18 +14,21 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from sparse_engine.calibration.store import CalibrationNotFoundError, CalibrationStore
 from sparse_engine.model.arch import UnsupportedModelError
 from sparse_engine.model.loader import LoadedModel
 from sparse_engine.runtime.fastpath import FastDecoder
 from sparse_engine.runtime.generation import Generation, GenerationRequest, GenerationStats, Message
 from sparse_engine.runtime.prefix_cache import CacheKey, PrefixCache, SparseCacheMismatchError
-from sparse_engine.runtime.sampling import sample_next
+from sparse_engine.runtime.sampling import TokenConfidence, eos_ids, sample_next
 from sparse_engine.runtime.textstream import TextStream
 from sparse_engine.sparsity import signals
 from sparse_engine.sparsity.hooks import sparsified
 from sparse_engine.sparsity.masking import ChannelMask, masked
-from sparse_engine.sparsity.plan import SPARSE_LEVELS, Level, SparsityPlan
+from sparse_engine.sparsity.plan import (
+    CalibrationNotFoundError,
+    Level,
+    SparsityPlan,
+)
 from sparse_engine.sparsity.recorder import SignalRecorder
 
 __all__ = ["Engine", "Generation", "GenerationRequest", "GenerationStats", "Message"]
@@ -62,21 +65,6 @@ class Engine:
             self.fast = FastDecoder(self.lm, max_len, dtype, native)
         except UnsupportedModelError as exc:
             log.info("fast decode path off for %s: %s", self.lm.model_id, exc)
-
-    @classmethod
-    def from_store(
-        cls, lm: LoadedModel, store: CalibrationStore, prefix_cache: PrefixCache | None = None
-    ) -> Engine:
-        """Bind each sparse level to its latest calibration for this model's weights."""
-        plans = {}
-        for level in SPARSE_LEVELS:
-            try:
-                plans[level] = store.latest(lm.weights_sha256, level).plan()
-            except CalibrationNotFoundError:
-                continue
-        if plans:
-            plans[Level.DENSE] = next(iter(plans.values())).as_dense()
-        return cls(lm, plans, prefix_cache)
 
     def plan(self, level: Level | SparsityPlan) -> SparsityPlan:
         """The level's current plan; a plan passed in (pinned when a request was admitted) is
@@ -181,10 +169,10 @@ class Engine:
         decoder = TextStream(self.lm.tokenizer, request.stop)
         seed = request.seed
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        eos = set() if request.ignore_eos else _eos_ids(self.lm)
+        eos = set() if request.ignore_eos else eos_ids(self.lm)
         generated: list[int] = []
         kept_logits: list[torch.Tensor] = []
-        confidence = _TokenConfidence()
+        confidence = TokenConfidence()
         finish = "length"
         started = time.perf_counter()
         fast = self._fast_for(plan, len(prompt_ids) + request.max_new_tokens)
@@ -304,42 +292,9 @@ class Engine:
         return logits  # type: ignore[no-any-return]
 
 
-class _TokenConfidence:
-    """Log-probability of each chosen token and the entropy it was drawn from; kept as
-    tensors and read once at the end, so a step costs one log-softmax and no sync."""
-
-    def __init__(self) -> None:
-        self._logprobs: list[torch.Tensor] = []
-        self._entropies: list[torch.Tensor] = []
-
-    def observe(self, logits: torch.Tensor, token: int) -> None:
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        self._logprobs.append(logp[token])
-        self._entropies.append(signals.entropy_nats(logp))
-
-    @property
-    def logprobs(self) -> list[float]:
-        return torch.stack(self._logprobs).tolist() if self._logprobs else []
-
-    @property
-    def entropies(self) -> list[float]:
-        return torch.stack(self._entropies).tolist() if self._entropies else []
-
-
 def _recorder(engine: Engine, plan: SparsityPlan, enabled: bool) -> SignalRecorder | None:
     return SignalRecorder(engine.lm.num_layers, plan.silence_thresholds) if enabled else None
 
 
 def _plain(messages: list[Message]) -> str:
     return "\n".join(m["content"] for m in messages)
-
-
-def _eos_ids(lm: LoadedModel) -> set[int]:
-    found: set[int] = set()
-    config = getattr(lm.model, "generation_config", None)
-    for value in (lm.tokenizer.eos_token_id, getattr(config, "eos_token_id", None)):
-        if isinstance(value, int):
-            found.add(value)
-        elif isinstance(value, list):
-            found.update(v for v in value if isinstance(v, int))
-    return found

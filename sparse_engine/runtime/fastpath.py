@@ -10,7 +10,6 @@ handed to the recorder once per step."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,55 +17,13 @@ from torch.nn import functional as F
 
 from sparse_engine.model.arch import UnsupportedModelError
 from sparse_engine.model.loader import LoadedModel
+from sparse_engine.runtime.fast_weights import DTYPES, Matrix, extract_layer, matrices
 from sparse_engine.runtime.kernels import torch_rows_matvec
 from sparse_engine.sparsity import signals
 from sparse_engine.sparsity.plan import SparsityPlan
 from sparse_engine.sparsity.recorder import LayerCounts, SignalRecorder
 
 ROLES = ("q", "k", "v", "o", "gate", "up", "down")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
-
-
-@dataclass(frozen=True, slots=True)
-class _Matrix:
-    """One or more projections of the same input, fused and stored input-major (in, out);
-    `parts` names each one's columns. int8 weights carry one scale per row."""
-
-    rows: torch.Tensor
-    scale: torch.Tensor | None
-    parts: tuple[tuple[str, int, int], ...]
-
-    @classmethod
-    def of(cls, modules: dict[str, Any], dtype: torch.dtype) -> _Matrix:
-        weights = [m.weight.detach().float() for m in modules.values()]
-        rows = torch.cat(weights).T.contiguous()
-        parts, start = [], 0
-        for role, w in zip(modules, weights, strict=True):
-            parts.append((role, start, start + w.shape[0]))
-            start += w.shape[0]
-        scale = None
-        if dtype == torch.int8:
-            scale = (rows.abs().amax(1) / 127).clamp_min(1e-12)
-            rows = (rows / scale[:, None]).round().to(torch.int8)
-        return cls(rows.to(dtype), scale, tuple(parts))
-
-    @property
-    def nbytes(self) -> int:
-        return self.rows.numel() * self.rows.element_size()
-
-    def float_rows(self) -> torch.Tensor:
-        rows = self.rows.float()
-        return rows * self.scale[:, None] if self.scale is not None else rows
-
-
-@dataclass(frozen=True, slots=True)
-class _Layer:
-    attn_norm: torch.Tensor
-    qkv: _Matrix
-    o: _Matrix
-    mlp_norm: torch.Tensor
-    gate_up: _Matrix
-    down: _Matrix
 
 
 class FastDecoder:
@@ -95,10 +52,10 @@ class FastDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.eps = cfg.rms_norm_eps
         self.max_len = max_len
-        self.layers = [_extract(layer, DTYPES[dtype]) for layer in model.model.layers]
+        self.layers = [extract_layer(layer, DTYPES[dtype]) for layer in model.model.layers]
         self.embed = model.model.embed_tokens.weight.detach()
         self.norm = model.model.norm.weight.detach()
-        self.head = _Matrix.of({"head": model.lm_head}, DTYPES[dtype])
+        self.head = Matrix.of({"head": model.lm_head}, DTYPES[dtype])
         self.device = self.embed.device  # the PyTorch fallback runs wherever the model is
         positions = torch.arange(max_len, device=self.device)[None]
         cos, sin = model.model.rotary_emb(self.embed[:1][None], positions)
@@ -111,7 +68,7 @@ class FastDecoder:
             raise UnsupportedModelError("the fast path needs one MLP width in every layer")
         self.channels = torch.zeros(len(self.layers), widths.pop(), device=self.device)
         self.counts = torch.zeros(len(self.layers), 5, dtype=torch.float64)  # see Layers.step
-        self.dense_weights = float(sum(m.rows.numel() for m in _matrices(self.layers[0])))
+        self.dense_weights = float(sum(m.rows.numel() for m in matrices(self.layers[0])))
         self._limits: tuple[SparsityPlan, torch.Tensor] | None = None
         self.tokens: list[int] = []  # the sequence in the KV cache
         self._cached_plan: SparsityPlan | None = None  # the plan it was computed under
@@ -123,7 +80,7 @@ class FastDecoder:
                 raise ValueError("the compiled kernels run on the CPU; pass native=None")
             self._layers = native.Layers(self.heads, self.kv_heads, self.head_dim, self.eps)
             for layer in self.layers:
-                mats = [native.Matrix(m.rows, m.scale) for m in _matrices(layer)]
+                mats = [native.Matrix(m.rows, m.scale) for m in matrices(layer)]
                 self._layers.add(layer.attn_norm, layer.mlp_norm, mats)
 
     @property
@@ -133,7 +90,7 @@ class FastDecoder:
 
     def weight_bytes(self, read_share: float = 1.0) -> float:
         """Weight bytes one decode step reads, with `read_share` of the projection rows."""
-        projections = sum(m.nbytes for layer in self.layers for m in _matrices(layer))
+        projections = sum(m.nbytes for layer in self.layers for m in matrices(layer))
         return float(projections * read_share + self.head.nbytes)
 
     def reset(self) -> None:
@@ -242,7 +199,7 @@ class FastDecoder:
     def _project(
         self,
         i: int,
-        m: _Matrix,
+        m: Matrix,
         x: torch.Tensor,
         limits: dict[str, float],
         counts: LayerCounts | None,
@@ -273,7 +230,7 @@ class FastDecoder:
     def _project_many(
         self,
         i: int,
-        m: _Matrix,
+        m: Matrix,
         x: torch.Tensor,
         groups: list[tuple[float | None, int, int, int]],
         counts: LayerCounts | None,
@@ -312,24 +269,6 @@ class FastDecoder:
             enable_gqa=True,
         )
         return out[0].transpose(0, 1).reshape(n, self.heads * hd)
-
-
-def _matrices(layer: _Layer) -> tuple[_Matrix, _Matrix, _Matrix, _Matrix]:
-    return layer.qkv, layer.o, layer.gate_up, layer.down
-
-
-def _extract(layer: Any, dtype: torch.dtype) -> _Layer:
-    attn, mlp = layer.self_attn, layer.mlp
-    if attn.q_proj.bias is not None or mlp.down_proj.bias is not None:
-        raise UnsupportedModelError("the fast path supports projections without biases")
-    return _Layer(
-        attn_norm=layer.input_layernorm.weight.detach(),
-        qkv=_Matrix.of({"q": attn.q_proj, "k": attn.k_proj, "v": attn.v_proj}, dtype),
-        o=_Matrix.of({"o": attn.o_proj}, dtype),
-        mlp_norm=layer.post_attention_layernorm.weight.detach(),
-        gate_up=_Matrix.of({"gate": mlp.gate_proj, "up": mlp.up_proj}, dtype),
-        down=_Matrix.of({"down": mlp.down_proj}, dtype),
-    )
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

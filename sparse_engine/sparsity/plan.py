@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 
+class CalibrationNotFoundError(LookupError):
+    """No calibration matches the request (a level, a version, a model's weights)."""
+
+
 class Level(StrEnum):
     DENSE = "dense"
     CONSERVATIVE = "conservative"

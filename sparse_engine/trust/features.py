@@ -15,7 +15,9 @@ import torch
 
 from sparse_engine.runtime.generation import GenerationStats
 
-LATE_BAND = 3  # the last layers, whose silence is the spike signal
+# The default of the last layers whose mean silence is the spike signal; the services pass
+# their setting (settings.signals.late_band) wherever a band is read.
+LATE_BAND = 3
 PROBE_DEPTH = 2 / 3  # the channel probe reads the MLP layer two thirds of the way up
 PROBE_FLOOR = 1e-4  # log(mean |a| + floor): silent channels stay finite
 FEATURES = (
@@ -61,10 +63,9 @@ class RequestSignals:
     # per-layer silence at channel resolution.
     probe: list[float] = field(default_factory=list)
 
-    @property
-    def late_silence(self) -> float:
-        band = self.silence_per_layer[-LATE_BAND:]
-        return sum(band) / len(band) if band else 0.0
+    def late_silence(self, late_band: int = LATE_BAND) -> float:
+        """Mean silence of the last `late_band` layers (0 without signals)."""
+        return late_silence(self.silence_per_layer, late_band)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -72,6 +73,12 @@ class RequestSignals:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RequestSignals:
         return cls(**data)
+
+
+def late_silence(silence_per_layer: Sequence[float], late_band: int = LATE_BAND) -> float:
+    """Mean silence of the last `late_band` layers (all of them when there are fewer)."""
+    band = silence_per_layer[-late_band:]
+    return sum(band) / len(band) if band else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,20 +150,24 @@ def channel_probe(answer_channels: Sequence[torch.Tensor]) -> list[float]:
 
 
 def features(
-    sig: RequestSignals, baseline: SilenceBaseline, drift_default: float, probe_size: int
+    sig: RequestSignals,
+    baseline: SilenceBaseline,
+    drift_default: float,
+    probe_size: int,
+    late_band: int = LATE_BAND,
 ) -> list[float]:
     """The feature vector: FEATURES, then the channel probe (`probe_size` values, none for a
     model fit without it; the floor's log when the answer had no token). A drift that was not
     measured takes `drift_default` (the mean of the data the model was fit on)."""
     if not probe_size:
-        return scalar_features(sig, baseline, drift_default)
+        return scalar_features(sig, baseline, drift_default, late_band)
     probe = sig.probe or [math.log(PROBE_FLOOR)] * probe_size
     if len(probe) != probe_size:
         raise ValueError(
             f"the trust model reads {probe_size} probe channels but the answer has {len(probe)}: "
             "fit a trust model for this model with `sparseguard trust fit`"
         )
-    return [*scalar_features(sig, baseline, drift_default), *probe]
+    return [*scalar_features(sig, baseline, drift_default, late_band), *probe]
 
 
 def feature_names(probe_size: int) -> list[str]:
@@ -164,11 +175,11 @@ def feature_names(probe_size: int) -> list[str]:
 
 
 def scalar_features(
-    sig: RequestSignals, baseline: SilenceBaseline, drift_default: float
+    sig: RequestSignals, baseline: SilenceBaseline, drift_default: float, late_band: int = LATE_BAND
 ) -> list[float]:
     silence = sig.silence_per_layer
     return [
-        sig.late_silence,
+        sig.late_silence(late_band),
         baseline.deviation(silence),
         _mean(silence),
         sig.gate_confidence,
@@ -199,6 +210,6 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def rule_score(sig: RequestSignals) -> float:
+def rule_score(sig: RequestSignals, late_band: int = LATE_BAND) -> float:
     """The score without a fitted model: 1 - late-layer silence."""
-    return 1.0 - sig.late_silence
+    return 1.0 - sig.late_silence(late_band)

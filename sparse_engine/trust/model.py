@@ -16,7 +16,13 @@ import torch
 
 from sparse_engine.evaluation.ranking import auroc
 from sparse_engine.jsonstore import JsonStore, stamped_version
-from sparse_engine.trust.features import RequestSignals, SilenceBaseline, feature_names, features
+from sparse_engine.trust.features import (
+    LATE_BAND,
+    RequestSignals,
+    SilenceBaseline,
+    feature_names,
+    features,
+)
 
 L2_GRID = (0.3, 1.0, 3.0, 10.0, 30.0)  # penalties tried by cross-validation when none is given
 FOLDS = 5
@@ -41,6 +47,9 @@ class TrustModel:
     drift_default: float
     probe_size: int
     fit_data: dict[str, Any]
+    # The late band its late-silence feature was fit with; a model saved without one was fit
+    # with the default.
+    late_band: int = LATE_BAND
     created_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
     version: str = ""
 
@@ -53,7 +62,7 @@ class TrustModel:
         return float(torch.sigmoid(self._logit(torch.tensor([self.vector(sig)]))[0]))
 
     def vector(self, sig: RequestSignals) -> list[float]:
-        return features(sig, self.baseline, self.drift_default, self.probe_size)
+        return features(sig, self.baseline, self.drift_default, self.probe_size, self.late_band)
 
     def _logit(self, x: torch.Tensor) -> torch.Tensor:
         z = (x.double() - torch.tensor(self.mean)) / torch.tensor(self.std)
@@ -65,7 +74,8 @@ class TrustModel:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrustModel:
         fields = dataclasses.fields(cls)
-        missing = [f.name for f in fields if f.name not in data and f.name != "created_at"]
+        optional = ("created_at", "late_band")
+        missing = [f.name for f in fields if f.name not in data and f.name not in optional]
         if missing:
             raise ValueError(
                 f"trust model {data.get('version', '?')} lacks {missing}: it was made by an "
@@ -88,6 +98,7 @@ def fit(
     level: str,
     fit_data: dict[str, Any],
     l2: float | None = None,
+    late_band: int = LATE_BAND,
 ) -> TrustModel:
     """Standardise the features, then minimise the mean logistic loss plus l2 * |w|^2, with
     `l2` chosen by cross-validated AUROC over L2_GRID when not given."""
@@ -98,7 +109,8 @@ def fit(
     drift_default = sum(drifts) / len(drifts) if drifts else 0.0
     probe_size = _probe_size(signals)
     x = torch.tensor(
-        [features(s, baseline, drift_default, probe_size) for s in signals], dtype=torch.float64
+        [features(s, baseline, drift_default, probe_size, late_band) for s in signals],
+        dtype=torch.float64,
     )
     y = torch.tensor(correct, dtype=torch.float64)
     chosen, cv = (l2, None) if l2 is not None else _choose_l2(x, y)
@@ -116,6 +128,7 @@ def fit(
         baseline_std=list(baseline.std),
         drift_default=drift_default,
         probe_size=probe_size,
+        late_band=late_band,
         fit_data={
             **fit_data,
             "items": len(signals),

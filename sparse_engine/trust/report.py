@@ -11,12 +11,11 @@ from typing import Any
 
 from sparse_engine.evaluation.ranking import auroc
 from sparse_engine.trust.evaluate import QARecord
-from sparse_engine.trust.features import RequestSignals, SilenceBaseline, rule_score
+from sparse_engine.trust.features import LATE_BAND, RequestSignals, SilenceBaseline, rule_score
 from sparse_engine.trust.model import TrustModel
 
 Reader = Callable[[RequestSignals], float]
-_SIGNALS: dict[str, Reader] = {
-    "late_silence": lambda s: s.late_silence,
+_SIGNALS: dict[str, Reader] = {  # late_silence is read with the report's late band
     "gate_confidence": lambda s: s.gate_confidence,
     "gate_entropy": lambda s: s.gate_entropy,
     "drift_kl": lambda s: s.drift_kl or 0.0,
@@ -85,23 +84,32 @@ class TrustReport:
 
 
 def report(
-    records: Sequence[QARecord], model: TrustModel | None, data: dict[str, Any] | None
+    records: Sequence[QARecord],
+    model: TrustModel | None,
+    data: dict[str, Any] | None,
+    late_band: int = LATE_BAND,
 ) -> TrustReport:
     wrong = [not r.correct for r in records]
     signals = [r.signals for r in records]
     baseline = (
         model.baseline if model else SilenceBaseline.of([s.silence_per_layer for s in signals])
     )
-    trust: Reader = model.score if model else rule_score
+
+    def rule(s: RequestSignals) -> float:
+        return rule_score(s, late_band)
+
+    trust: Reader = model.score if model else rule
     rows = [Row("trust_score", "trust", auroc([1 - trust(s) for s in signals], wrong), "lower")]
     if model:
-        rows.append(_row("rule_score", "rule", [1 - rule_score(s) for s in signals], wrong))
+        rows.append(_row("rule_score", "rule", [1 - rule(s) for s in signals], wrong))
+    late = [s.late_silence(late_band) for s in signals]
     deviation = [baseline.deviation(s.silence_per_layer) for s in signals]
     rows.append(_row("silence_deviation", "signal", deviation, wrong))
+    rows.append(_row("late_silence", "signal", late, wrong))
     rows += [_row(n, "signal", list(map(f, signals)), wrong) for n, f in _SIGNALS.items()]
     rows += [_row(n, "baseline", list(map(f, signals)), wrong) for n, f in BASELINES.items()]
-    late_wrong = [s.late_silence for s, w in zip(signals, wrong, strict=True) if w]
-    late_right = [s.late_silence for s, w in zip(signals, wrong, strict=True) if not w]
+    late_wrong = [v for v, w in zip(late, wrong, strict=True) if w]
+    late_right = [v for v, w in zip(late, wrong, strict=True) if not w]
     return TrustReport(
         n=len(records),
         right=sum(r.correct for r in records),

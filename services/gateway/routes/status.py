@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from services.aggregator.windows import WINDOWS, FoldConfig
+from services.aggregator.windows import WINDOWS
 from services.gateway.deps import AdminDep, RuntimeDep
 from services.gateway.errors import ApiError
 from services.storage import repository
@@ -146,13 +146,15 @@ def status_data(rt: RuntimeDep, _: AdminDep, response: Response) -> StatusData:
     try:
         sessions, _celery = rt.jobs.open()
         with sessions() as session:
-            return _read(session, now, serving)
+            return _read(session, now, serving, rt.settings.signals.gate_band)
     except SQLAlchemyError:
         log.exception("status data: the database could not be read")
         raise ApiError(503, "the status database cannot be read; see the gateway log") from None
 
 
-def _read(session: Session, now: datetime, serving: Serving) -> StatusData:
+def _read(
+    session: Session, now: datetime, serving: Serving, gate_band: tuple[float, float]
+) -> StatusData:
     current = repository.current_snapshots(session, now - RECENT_SPAN)
     windows = sorted(map(_window_row, current), key=_window_order)
     history = repository.snapshots_since(session, SERIES_WINDOW, now - SERIES_SPAN)
@@ -160,7 +162,7 @@ def _read(session: Session, now: datetime, serving: Serving) -> StatusData:
     return StatusData(
         generated_at=now,
         message=None if windows else NO_SNAPSHOTS,
-        gate_band=FoldConfig().gate_band,
+        gate_band=gate_band,
         serving=serving,
         windows=windows,
         series=_series(history),
