@@ -21,7 +21,7 @@ from alerts.rules import DEFAULT_RULES, Rule, load_rules
 from alerts.templates import render_all
 from services.aggregator.summary import WindowSummary
 from services.alerting.outbox import enqueue
-from services.config import AlertSettings
+from services.config import AlertSettings, SignalSettings
 from services.shared.metrics_table import MetricSpec, declare
 from services.storage.models import AlertRecord
 from services.storage.repository import set_flag
@@ -43,10 +43,13 @@ class AlertLoop:
         registry: CollectorRegistry,
         external_url: str = "http://127.0.0.1:8001",
         celery: Celery | None = None,
+        signals: SignalSettings | None = None,
     ) -> None:
         self.settings = settings
         self.sessions = sessions
-        self.rules: list[Rule] = load_rules(settings.rules_file or DEFAULT_RULES)
+        # Rules name signal settings ({signal: gate_band}); the service passes settings.signals.
+        thresholds = (signals or SignalSettings()).as_thresholds()
+        self.rules: list[Rule] = load_rules(settings.rules_file or DEFAULT_RULES, thresholds)
         self.state = EvalState()
         self.external_url = external_url
         self.celery = celery  # None: jobs stay queued until the redispatch sweep sends them

@@ -31,7 +31,9 @@ def build_aggregator(settings: Settings) -> Aggregator:
     registry = CollectorRegistry()
     url = f"http://{settings.aggregator.host}:{settings.aggregator.port}"
     celery = make_celery(settings)
-    alerting = AlertLoop(settings.alerts, sessions, registry, external_url=url, celery=celery)
+    alerting = AlertLoop(
+        settings.alerts, sessions, registry, url, celery, signals=settings.signals
+    )
     return Aggregator(settings, sessions, AggregatorMetrics(registry), alerting=alerting)
 
 

@@ -37,7 +37,7 @@ def _rules_option(parser: argparse.ArgumentParser) -> None:
 
 def _rules(args: argparse.Namespace, settings: Settings) -> list[Rule]:
     path: Path = args.rules or settings.alerts.rules_file or DEFAULT_RULES
-    return load_rules(path)
+    return load_rules(path, settings.signals.as_thresholds())
 
 
 def run_export(args: argparse.Namespace, settings: Settings) -> int:

@@ -1,1 +1,3 @@
-"""The HTTP gateway's pure building blocks: input hygiene, request policy and API-key auth."""
+"""The HTTP gateway: the app (`app`), its routers (`routes/`), the request pipeline (`pipeline`:
+hygiene, policy, the engine thread or the upstream API, trust and fallback), response formats,
+telemetry events and the calibration listener that hot-reloads new versions."""
