@@ -59,7 +59,6 @@ class HaluEvalItem:
     knowledge: str
     question: str
     right_answer: str
-    hallucinated_answer: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +134,7 @@ def parse_sharegpt(data: bytes) -> list[str]:
     return _non_empty(_first_human_turn(conv) for conv in _complete_elements(data.decode("utf-8")))
 
 
-_HALUEVAL_FIELDS = ("knowledge", "question", "right_answer", "hallucinated_answer")
+_HALUEVAL_FIELDS = ("knowledge", "question", "right_answer")
 
 
 def _cal_data(name: str, parse: Callable[[bytes], list[str]], description: str) -> Corpus:

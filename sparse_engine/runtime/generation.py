@@ -35,7 +35,6 @@ class GenerationStats:
     completion_tokens: int
     finish_reason: str  # stop | length | cancelled
     time_to_first_token_s: float
-    total_s: float
     decode_tokens_per_s: float
     prefill_tokens_per_s: float
     input_entropy_bits_per_char: float

@@ -61,7 +61,6 @@ def score_answer(
         completion_tokens=len(answer_ids),
         finish_reason="stop",
         time_to_first_token_s=0.0,
-        total_s=elapsed,
         decode_tokens_per_s=0.0,
         prefill_tokens_per_s=ids.shape[1] / max(elapsed, 1e-9),
         input_entropy_bits_per_char=signals.entropy_bits_per_char(

@@ -37,10 +37,6 @@ class ChannelMask:
         has_channels = any(self.channels.values()) or any(self.constants.values())
         return not has_channels and not self.layers
 
-    @property
-    def num_channels(self) -> int:
-        return sum(len(c) for c in self.channels.values())
-
     def digest(self) -> str:
         """A short stable id of the mask, for cache keys and reports."""
         body = {

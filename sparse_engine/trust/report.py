@@ -33,7 +33,7 @@ BASELINES: dict[str, Reader] = {
 
 
 @dataclass(frozen=True, slots=True)
-class Row:
+class SignalRow:
     name: str
     kind: str  # trust | rule | signal | baseline
     auroc: float
@@ -47,7 +47,7 @@ class TrustReport:
     mean_f1: float
     trust_model: str | None
     held_out: bool | None
-    rows: list[Row]
+    rows: list[SignalRow]
     silence_wrong: float
     silence_right: float
 
@@ -99,7 +99,9 @@ def report(
         return rule_score(s, late_band)
 
     trust: Reader = model.score if model else rule
-    rows = [Row("trust_score", "trust", auroc([1 - trust(s) for s in signals], wrong), "lower")]
+    rows = [
+        SignalRow("trust_score", "trust", auroc([1 - trust(s) for s in signals], wrong), "lower")
+    ]
     if model:
         rows.append(_row("rule_score", "rule", [1 - rule(s) for s in signals], wrong))
     late = [s.late_silence(late_band) for s in signals]
@@ -122,10 +124,10 @@ def report(
     )
 
 
-def _row(name: str, kind: str, values: list[float], wrong: list[bool]) -> Row:
+def _row(name: str, kind: str, values: list[float], wrong: list[bool]) -> SignalRow:
     """AUROC in the signal's better direction, and that direction."""
     a = auroc(values, wrong)
-    return Row(name, kind, max(a, 1 - a), "higher" if a >= 0.5 else "lower")
+    return SignalRow(name, kind, max(a, 1 - a), "higher" if a >= 0.5 else "lower")
 
 
 def _held_out(model: TrustModel, data: dict[str, Any]) -> bool:
