@@ -137,7 +137,7 @@ def _signal_band(reader: Reader, node: yaml.Node, what: str, signals: Signals | 
     if not isinstance(value, tuple):
         raise reader.error(
             name_node,
-            f"{what}: signal {name_node.value!r} is a number: op 'outside' needs a [low, high] band",
+            f"{what}: signal {name_node.value!r} is a number; op 'outside' needs a band",
         )
     low, high = value
     if low > high:

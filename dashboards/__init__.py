@@ -1,6 +1,8 @@
-"""SparseGuard's Grafana dashboards as code: the four dashboards (`DASHBOARDS`), their JSON
-(`render`, `write_all`; committed under dashboards/json, provisioned from there) and their
-queries as plain PromQL (`queries`). Builders: dashboards/model.py; upload: dashboards/push.py."""
+"""SparseGuard's Grafana dashboards as code: the four dashboards (`dashboards(signals)`, and
+`DASHBOARDS` with the published signal thresholds), their JSON (`render`, `write_all`; committed
+under dashboards/json, provisioned from there) and their queries as plain PromQL (`queries`).
+Threshold lines and titles come from the signal settings. Builders: dashboards/model.py;
+upload: dashboards/push.py."""
 
 from __future__ import annotations
 
@@ -8,13 +10,20 @@ import json
 import re
 from pathlib import Path
 
-from dashboards.jobs import JOBS
+from dashboards.jobs import jobs
 from dashboards.model import Dashboard
-from dashboards.overview import OVERVIEW
+from dashboards.overview import overview
 from dashboards.pipeline import PIPELINE
-from dashboards.silence import SILENCE
+from dashboards.silence import silence
+from services.config import SignalSettings
 
-DASHBOARDS: tuple[Dashboard, ...] = (OVERVIEW, SILENCE, PIPELINE, JOBS)
+
+def dashboards(signals: SignalSettings | None = None) -> tuple[Dashboard, ...]:
+    """The four dashboards, drawn with `signals`' thresholds (default: the published ones)."""
+    return (overview(signals), silence(signals), PIPELINE, jobs(signals))
+
+
+DASHBOARDS = dashboards()  # with the published thresholds: the committed JSON
 JSON_DIR = Path(__file__).parent / "json"
 PROVISIONING_DIR = Path(__file__).parent / "provisioning"
 # What each template variable becomes when a query runs on Prometheus directly.
@@ -27,11 +36,11 @@ def render(dashboard: Dashboard) -> str:
     return json.dumps(dashboard.to_json(), indent=2, sort_keys=True) + "\n"
 
 
-def write_all(out: Path = JSON_DIR) -> list[Path]:
+def write_all(out: Path = JSON_DIR, signals: SignalSettings | None = None) -> list[Path]:
     """Write every dashboard to `out/<uid>.json`; returns the paths written."""
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    for dashboard in DASHBOARDS:
+    for dashboard in dashboards(signals):
         path = out / f"{dashboard.uid}.json"
         path.write_text(render(dashboard), encoding="utf-8")
         paths.append(path)

@@ -5,58 +5,63 @@ from __future__ import annotations
 
 from dashboards.model import Dashboard, Panel, Target
 from dashboards.promql import select
+from services.config import SignalSettings
 
-BUDGET = 0.8  # BLEU points per check
-LIMIT = 1.2  # BLEU points, 24 h mean: recalibrate
 MAX_CHECK_AGE_S = 93_600  # 26 h, as the GoldenCheckMissed rule
 RELOADS = select("sparseguard_calibration_reloads_total", 'level=~"$level"')
 FLAGS = select("sparseguard_model_flag", 'model=~"$model"')
 
-JOBS = Dashboard(
-    uid="sparseguard-jobs",
-    title="SparseGuard / Jobs",
-    description="Golden-set drift checks, recalibration jobs and model flags.",
-    items=(
-        Panel(
-            "Golden-set drift per level (BLEU points)",
-            (
-                Target(
-                    select("sparseguard_golden_drift_bleu_points"), "{{model}} {{level}} latest"
+
+def jobs(signals: SignalSettings | None = None) -> Dashboard:
+    """The dashboard with `signals`' drift budgets (default: the published ones)."""
+    signals = signals or SignalSettings()
+    budget, limit = signals.drift_budget_bleu, signals.drift_recalibrate_bleu
+    return Dashboard(
+        uid="sparseguard-jobs",
+        title="SparseGuard / Jobs",
+        description="Golden-set drift checks, recalibration jobs and model flags.",
+        items=(
+            Panel(
+                "Golden-set drift per level (BLEU points)",
+                (
+                    Target(
+                        select("sparseguard_golden_drift_bleu_points"), "{{model}} {{level}} latest"
+                    ),
+                    Target(
+                        select("sparseguard_golden_drift_bleu_24h_points"),
+                        "{{model}} {{level}} 24h",
+                    ),
                 ),
-                Target(
-                    select("sparseguard_golden_drift_bleu_24h_points"), "{{model}} {{level}} 24h"
-                ),
+                description=f"BLEU(dense) - BLEU(sparse) on the golden set: budget {budget:g} per "
+                f"check; a 24 h mean above {limit:g} queues a recalibration.",
+                width=18,
+                steps=((budget, "orange"), (limit, "red")),
+                show_thresholds="line",
             ),
-            description=f"BLEU(dense) - BLEU(sparse) on the golden set: budget {BUDGET} per "
-            f"check; a 24 h mean above {LIMIT} queues a recalibration.",
-            width=18,
-            steps=((BUDGET, "orange"), (LIMIT, "red")),
-            show_thresholds="line",
+            Panel(
+                "Golden check age",
+                (Target("max(sparseguard_golden_check_age_seconds)", "age"),),
+                kind="stat",
+                unit="s",
+                width=6,
+                steps=((MAX_CHECK_AGE_S, "red"),),
+            ),
+            Panel(
+                "Job runs by kind and status",
+                (Target("max by (kind, status) (sparseguard_job_runs)", "{{kind}} {{status}}"),),
+                description="Runs stored in the database.",
+            ),
+            Panel(
+                "Calibration reloads at gateways",
+                (Target(f"sum by (level) (increase({RELOADS}[$__rate_interval]))", "{{level}}"),),
+                description="Calibration versions installed without a restart.",
+            ),
+            Panel(
+                "Model flags",
+                (Target(f"max by (model, flag) ({FLAGS})", "{{model}} {{flag}}"),),
+                kind="state-timeline",
+                width=24,
+                steps=((1, "red"),),
+            ),
         ),
-        Panel(
-            "Golden check age",
-            (Target("max(sparseguard_golden_check_age_seconds)", "age"),),
-            kind="stat",
-            unit="s",
-            width=6,
-            steps=((MAX_CHECK_AGE_S, "red"),),
-        ),
-        Panel(
-            "Job runs by kind and status",
-            (Target("max by (kind, status) (sparseguard_job_runs)", "{{kind}} {{status}}"),),
-            description="Runs stored in the database.",
-        ),
-        Panel(
-            "Calibration reloads at gateways",
-            (Target(f"sum by (level) (increase({RELOADS}[$__rate_interval]))", "{{level}}"),),
-            description="Calibration versions installed without a restart.",
-        ),
-        Panel(
-            "Model flags",
-            (Target(f"max by (model, flag) ({FLAGS})", "{{model}} {{flag}}"),),
-            kind="state-timeline",
-            width=24,
-            steps=((1, "red"),),
-        ),
-    ),
-)
+    )

@@ -5,135 +5,145 @@ from __future__ import annotations
 
 from dashboards.model import Dashboard, Panel, Row, Target
 from dashboards.promql import quantiles, rate, window
+from services.config import SignalSettings
 
 PER_KEY = "{{model}} {{level}}"
+CACHE_HIT_HEALTHY = 0.85  # drawn green from here: a warm prefix cache (no alert reads it)
 
-OVERVIEW = Dashboard(
-    uid="sparseguard-overview",
-    title="SparseGuard / Overview",
-    description="Health of sparse inference at a glance; details on the Silence, Pipeline "
-    "and Jobs dashboards.",
-    items=(
-        Row("Traffic"),
-        Panel(
-            "Request rate by level and status",
-            (
-                Target(
-                    rate("sparseguard_gateway_requests_total", "level, status", 'level=~"$level"'),
-                    "{{level}} {{status}}",
+
+def overview(signals: SignalSettings | None = None) -> Dashboard:
+    """The dashboard with `signals`' thresholds (default: the published ones)."""
+    signals = signals or SignalSettings()
+    low, high = signals.gate_band
+    monotonous = signals.monotonous_confidence
+    return Dashboard(
+        uid="sparseguard-overview",
+        title="SparseGuard / Overview",
+        description="Health of sparse inference at a glance; details on the Silence, Pipeline "
+        "and Jobs dashboards.",
+        items=(
+            Row("Traffic"),
+            Panel(
+                "Request rate by level and status",
+                (
+                    Target(
+                        rate(
+                            "sparseguard_gateway_requests_total", "level, status", 'level=~"$level"'
+                        ),
+                        "{{level}} {{status}}",
+                    ),
                 ),
+                description="Gateway requests (all models: the gateway serves one).",
+                unit="reqps",
             ),
-            description="Gateway requests (all models: the gateway serves one).",
-            unit="reqps",
-        ),
-        Panel(
-            "Error ratio (5m window)",
-            (Target(window("sparseguard_window_error_ratio"), PER_KEY),),
-            unit="percentunit",
-            min=0,
-        ),
-        Row("Sparsity and gate"),
-        Panel(
-            "Sparsity vs calibrated target (5m window)",
-            (
-                Target(window("sparseguard_window_sparsity_ratio"), f"{PER_KEY} realised"),
-                Target(window("sparseguard_window_sparsity_target_ratio"), f"{PER_KEY} target"),
+            Panel(
+                "Error ratio (5m window)",
+                (Target(window("sparseguard_window_error_ratio"), PER_KEY),),
+                unit="percentunit",
+                min=0,
             ),
-            description="Realised sparsity should stay at or above the calibration's target.",
-            unit="percentunit",
-            min=0,
-            max=1,
-        ),
-        Panel(
-            "Gate confidence (healthy band 0.75-0.92)",
-            (Target(window("sparseguard_window_gate_confidence_ratio"), PER_KEY),),
-            description="Share of activation magnitude kept. Below 0.75 the sparsifier drops "
-            "too much; above 0.95 the input is likely templated.",
-            unit="percentunit",
-            min=0.5,
-            max=1,
-            base_color="red",
-            steps=((0.75, "green"), (0.92, "orange"), (0.95, "red")),
-            show_thresholds="line+area",
-        ),
-        Panel(
-            "Semantic drift KL(dense || sparse)",
-            (
-                Target(window("sparseguard_window_semantic_drift_kl"), f"{PER_KEY} 5m"),
-                Target(window("sparseguard_window_semantic_drift_kl", "24h"), f"{PER_KEY} 24h"),
-            ),
-            description="Mean token-level KL on the sampled requests; a 24 h mean above 1.2 "
-            "alerts and queues a recalibration.",
-            steps=((1.2, "red"),),
-            show_thresholds="line",
-            min=0,
-        ),
-        Panel(
-            "Prefix cache hit rate (5m window)",
-            (Target(window("sparseguard_window_cache_hit_ratio"), PER_KEY),),
-            unit="percentunit",
-            min=0,
-            max=1,
-            base_color="red",
-            steps=((0.7, "orange"), (0.85, "green")),
-            show_thresholds="line",
-        ),
-        Panel(
-            "Trust actions",
-            (
-                Target(
-                    rate("sparseguard_trust_actions_total", "model, level, action"),
-                    f"{{{{action}}}} {PER_KEY}",
+            Row("Sparsity and gate"),
+            Panel(
+                "Sparsity vs calibrated target (5m window)",
+                (
+                    Target(window("sparseguard_window_sparsity_ratio"), f"{PER_KEY} realised"),
+                    Target(window("sparseguard_window_sparsity_target_ratio"), f"{PER_KEY} target"),
                 ),
+                description="Realised sparsity should stay at or above the calibration's target.",
+                unit="percentunit",
+                min=0,
+                max=1,
             ),
-            description="Requests the gateway answered with a trust action (e.g. fallback).",
-            unit="reqps",
-        ),
-        Panel(
-            "Trust score (gateway)",
-            tuple(
-                Target(
-                    f"histogram_quantile({q}, sum by (le, level) (rate("
-                    f'sparseguard_gateway_trust_score_bucket{{level=~"$level"}}[$__rate_interval])))',
-                    f"p{round(q * 100)} {{{{level}}}}",
-                )
-                for q in (0.1, 0.5)
+            Panel(
+                f"Gate confidence (healthy band {low:g}-{high:g})",
+                (Target(window("sparseguard_window_gate_confidence_ratio"), PER_KEY),),
+                description=f"Share of activation magnitude kept. Below {low:g} the sparsifier "
+                f"drops too much; above {monotonous:g} the input is likely templated.",
+                unit="percentunit",
+                min=0.5,
+                max=1,
+                base_color="red",
+                steps=((low, "green"), (high, "orange"), (monotonous, "red")),
+                show_thresholds="line+area",
             ),
-            description="Trust of each answer before any action: the trust model's probability "
-            "that it is right (1 - late-layer silence without a model).",
-            min=0,
-            max=1,
-        ),
-        Row("Alerts"),
-        Panel(
-            "Firing alerts",
-            (Target('count(ALERTS{alertstate="firing"}) or vector(0)', "firing"),),
-            kind="stat",
-            width=6,
-            steps=((1, "red"),),
-        ),
-        Panel(
-            "Alert transitions",
-            (
-                Target(
-                    "sum by (alertname, state) "
-                    "(increase(sparseguard_alert_transitions_total[$__rate_interval]))",
-                    "{{alertname}} {{state}}",
+            Panel(
+                "Semantic drift KL(dense || sparse)",
+                (
+                    Target(window("sparseguard_window_semantic_drift_kl"), f"{PER_KEY} 5m"),
+                    Target(window("sparseguard_window_semantic_drift_kl", "24h"), f"{PER_KEY} 24h"),
                 ),
+                description="Mean token-level KL on the sampled requests; a 24 h mean above "
+                f"{signals.drift_kl_24h:g} alerts and queues a recalibration.",
+                steps=((signals.drift_kl_24h, "red"),),
+                show_thresholds="line",
+                min=0,
             ),
-            description="State changes from the aggregator's own evaluator.",
-            width=18,
+            Panel(
+                "Prefix cache hit rate (5m window)",
+                (Target(window("sparseguard_window_cache_hit_ratio"), PER_KEY),),
+                unit="percentunit",
+                min=0,
+                max=1,
+                base_color="red",
+                steps=((signals.cache_hit_min, "orange"), (CACHE_HIT_HEALTHY, "green")),
+                show_thresholds="line",
+            ),
+            Panel(
+                "Trust actions",
+                (
+                    Target(
+                        rate("sparseguard_trust_actions_total", "model, level, action"),
+                        f"{{{{action}}}} {PER_KEY}",
+                    ),
+                ),
+                description="Requests the gateway answered with a trust action (e.g. fallback).",
+                unit="reqps",
+            ),
+            Panel(
+                "Trust score (gateway)",
+                tuple(
+                    Target(
+                        f"histogram_quantile({q}, sum by (le, level) (rate("
+                        f'sparseguard_gateway_trust_score_bucket{{level=~"$level"}}[$__rate_interval])))',
+                        f"p{round(q * 100)} {{{{level}}}}",
+                    )
+                    for q in (0.1, 0.5)
+                ),
+                description="Trust of each answer before any action: the trust model's probability "
+                "that it is right (1 - late-layer silence without a model).",
+                min=0,
+                max=1,
+            ),
+            Row("Alerts"),
+            Panel(
+                "Firing alerts",
+                (Target('count(ALERTS{alertstate="firing"}) or vector(0)', "firing"),),
+                kind="stat",
+                width=6,
+                steps=((1, "red"),),
+            ),
+            Panel(
+                "Alert transitions",
+                (
+                    Target(
+                        "sum by (alertname, state) "
+                        "(increase(sparseguard_alert_transitions_total[$__rate_interval]))",
+                        "{{alertname}} {{state}}",
+                    ),
+                ),
+                description="State changes from the aggregator's own evaluator.",
+                width=18,
+            ),
+            Row("Latency"),
+            Panel(
+                "Request latency",
+                quantiles("sparseguard_request_latency_seconds"),
+                unit="s",
+            ),
+            Panel(
+                "Time to first token",
+                quantiles("sparseguard_request_ttft_seconds"),
+                unit="s",
+            ),
         ),
-        Row("Latency"),
-        Panel(
-            "Request latency",
-            quantiles("sparseguard_request_latency_seconds"),
-            unit="s",
-        ),
-        Panel(
-            "Time to first token",
-            quantiles("sparseguard_request_ttft_seconds"),
-            unit="s",
-        ),
-    ),
-)
+    )

@@ -4,13 +4,16 @@ nested sections with `__`, e.g. SPARSEGUARD_ENGINE__MODEL, SPARSEGUARD_SIGNALS__
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr, field_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from services.telemetry.schema import REASON_LOW_SCORE, REASON_SILENCE_SPIKE
-from sparse_engine.model.catalog import DEFAULT_MODEL
+# Settings import no other service package and no ML library (tests/test_layout.py), so
+# the two names below are written out; tests/test_signal_settings.py holds them equal to
+# sparse_engine.model.catalog.DEFAULT_MODEL and services.telemetry.schema's REASON_*.
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_ACT_ON = ("silence-spike", "low-score")
 
 
 class EngineSettings(BaseModel):
@@ -99,7 +102,32 @@ class AlertSettings(BaseModel):
     backoff_max_s: float = Field(300.0, gt=0)
 
 
+# Thresholds that moved from the trust and jobs sections to SignalSettings.
+MOVED_TO_SIGNALS = frozenset(
+    {
+        "spike_silence",
+        "spike_z",
+        "gate_uniform_entropy",
+        "monotonous_confidence",
+        "drift_budget_bleu",
+        "drift_recalibrate_bleu",
+    }
+)
+
+
+def refuse_moved(data: Any) -> Any:
+    """Refuse a moved threshold under its old section (SPARSEGUARD_TRUST__SPIKE_SILENCE):
+    unknown keys are ignored, so it would otherwise be dropped without a word."""
+    moved = sorted(set(data) & MOVED_TO_SIGNALS) if isinstance(data, dict) else []
+    if moved:
+        names = ", ".join(f"SPARSEGUARD_SIGNALS__{name.upper()}" for name in moved)
+        raise ValueError(f"{', '.join(moved)} moved to the signals section: set {names}")
+    return data
+
+
 class JobSettings(BaseModel):
+    _moved = model_validator(mode="before")(refuse_moved)
+
     # Celery broker; default: the embedded SQLite transport at <home>/celery-broker.db, which
     # needs no server. Production: redis://host:6379/0.
     broker_url: str | None = None
@@ -171,13 +199,15 @@ TrustAction = Literal["retrieve", "simplify", "flag"]
 class TrustSettings(BaseModel):
     """Per-request trust: when an answer counts as low trust, and what is done about it."""
 
+    _moved = model_validator(mode="before")(refuse_moved)
+
     # Below this score (the trust model's probability that the answer is right) trust is low.
     # On held-out HaluEval, 0.3 flagged 17 % of answers, right half as often as the rest.
     min_score: float = Field(0.3, ge=0.0, le=1.0)
     baseline_span: int = Field(200, ge=2)  # requests in the rolling baseline's EWMA
     baseline_min_requests: int = Field(30, ge=1)  # before this, no deviation is judged
     # Reasons that trigger the action; any other reason is reported only.
-    act_on: list[str] = Field(default_factory=lambda: [REASON_SILENCE_SPIKE, REASON_LOW_SCORE])
+    act_on: list[str] = Field(default_factory=lambda: list(DEFAULT_ACT_ON))
     default_action: TrustAction = "flag"
     actions: dict[str, TrustAction] = Field(default_factory=dict)  # per route path
     retrieve_passages: int = Field(3, ge=1, le=20)

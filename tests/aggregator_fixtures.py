@@ -12,12 +12,13 @@ from typing import Any
 
 from kafka import KafkaProducer
 from prometheus_client import CollectorRegistry
+from sqlalchemy import func, select
 
 from services.aggregator.loop import Aggregator
 from services.aggregator.metrics import AggregatorMetrics
 from services.config import AggregatorSettings, Settings, TelemetrySettings
 from services.storage.db import make_engine, session_factory, upgrade
-from services.storage.repository import count_summaries
+from services.storage.models import RequestSummary
 from services.telemetry.schema import TelemetryEvent, to_record
 from services.telemetry.topics import ensure_topics, topic_specs
 
@@ -107,9 +108,12 @@ def running(aggregator: Aggregator) -> Iterator[threading.Thread]:
 
 
 def stored(settings: Settings) -> int:
-    sessions = session_factory(make_engine(settings.database_url))
-    with sessions() as session:
-        return count_summaries(session)
+    engine = make_engine(settings.database_url)
+    try:
+        with session_factory(engine)() as session:
+            return session.scalar(select(func.count()).select_from(RequestSummary)) or 0
+    finally:
+        engine.dispose()
 
 
 def window_requests(aggregator: Aggregator, window: str = "5m") -> int:

@@ -16,6 +16,7 @@ from sparse_engine.data.corpora import load_texts
 from sparse_engine.model.catalog import DEFAULT_MODEL, resolve_model
 from sparse_engine.model.loader import LoadedModel, load_model
 from sparse_engine.sparsity.plan import Level
+from tests import service_fixtures
 
 # Small enough for CI; `make run` and `make bench` calibrate with the full defaults.
 CI_CALIBRATION = CalibrationConfig(samples=32, seq_len=256, heldout_tokens=2048)
@@ -73,3 +74,9 @@ def kafka_broker() -> Iterator[Broker]:
         yield broker
     finally:
         broker.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """The test Redis server's URL; its tests skip without one, and fail under CI=true."""
+    return service_fixtures.require_redis()

@@ -17,13 +17,12 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
 
 from services.storage.db import upgrade
+from tests.service_fixtures import PG_ADMIN, postgres_admin
 
 CHROMIUM = Path("/usr/bin/chromium")
-PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
 REPO = Path(__file__).resolve().parent.parent
 VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "wbr"}
 FLAGS = (
@@ -230,18 +229,14 @@ def browser_tab(profile: Path) -> Iterator[Tab]:
 @contextmanager
 def migrated_database(kind: str, tmp_path: Path) -> Iterator[str]:
     """The URL of a migrated SQLite file or temporary PostgreSQL database (skipped when
-    PostgreSQL is unreachable), as the storage tests use."""
+    PostgreSQL is unreachable, failed under CI), as the storage tests use."""
     if kind == "sqlite":
         url = f"sqlite:///{tmp_path / 'status.db'}"
         upgrade(url)
         yield url
         return
     name = f"sg_status_{secrets.token_hex(6)}"
-    try:
-        admin = psycopg.connect(PG_ADMIN, autocommit=True, connect_timeout=3)
-    except psycopg.OperationalError as exc:
-        pytest.skip(f"PostgreSQL unreachable ({PG_ADMIN}): {exc}")
-    with admin:
+    with postgres_admin() as admin:
         admin.execute(f'CREATE DATABASE "{name}"')
         try:
             url = f"{PG_ADMIN.rsplit('/', 1)[0]}/{name}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
@@ -25,8 +26,10 @@ from alerts.evaluator import (
 from alerts.rules import DEFAULT_RULES, load_rules
 from services.aggregator import windows
 from services.aggregator.synthetic import synthetic_events
+from services.config import SignalSettings
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
+THRESHOLDS = SignalSettings().as_thresholds()
 REPEAT_S = 3600.0
 CACHE_LOW = Rule(
     name="CacheLow",
@@ -68,7 +71,7 @@ def summary(transitions: list[Transition]) -> list[tuple[float, str, bool]]:
 
 
 def default_rule(name: str, **changes: object) -> Rule:
-    rule = next(r for r in load_rules(DEFAULT_RULES) if r.name == name)
+    rule = next(r for r in load_rules(DEFAULT_RULES, THRESHOLDS) if r.name == name)
     return dataclasses.replace(rule, **changes)  # type: ignore[arg-type]
 
 
@@ -253,7 +256,7 @@ def test_samples_from_real_windows_drive_the_default_rules() -> None:
         first.values["requests"]
         == snapshot[("synthetic-model", first.labels["level"])][first.labels["window"]].requests
     )
-    rules = [dataclasses.replace(r, for_s=0) for r in load_rules(DEFAULT_RULES)]
+    rules = [dataclasses.replace(r, for_s=0) for r in load_rules(DEFAULT_RULES, THRESHOLDS)]
     _, transitions = evaluate(EvalState(), rules, samples, at(100), REPEAT_S)
     fired = {(t.rule.name, t.labels["window"]) for t in transitions}
     # synthetic sparsity is 0.4-0.7, far below a 0.9 target
@@ -261,24 +264,72 @@ def test_samples_from_real_windows_drive_the_default_rules() -> None:
     assert all(window == t.rule.window for t in transitions for window in [t.labels["window"]])
 
 
-values = st.one_of(st.none(), st.floats(0, 1), st.just(float("nan")))
+values = st.one_of(st.none(), st.floats(0, 1), st.just(0.7), st.just(float("nan")))
+# Short steps, and long ones that reach the repeat interval and its boundary.
+gaps = st.one_of(st.integers(1, 400), st.sampled_from([1800, 3599, 3600, 3601]))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
-    st.lists(st.tuples(st.integers(1, 400), values, values), min_size=1, max_size=40),
+    st.lists(st.tuples(gaps, values, values), min_size=1, max_size=40),
     st.sampled_from([0.0, 30.0, 300.0]),
 )
-def test_evaluation_is_deterministic(
+def test_evaluation_matches_a_model_of_the_state_machine_and_keeps_old_states(
     steps: list[tuple[int, float | None, float | None]], for_s: float
 ) -> None:
+    """Two alerts of one rule against a plain model of the documented state machine; every
+    state handed to `evaluate` is left as it was."""
     rule = dataclasses.replace(CACHE_LOW, for_s=for_s)
-    timeline: list[tuple[float, list[Sample]]] = []
+    model = {"balanced": _ModelAlert(), "x": _ModelAlert()}
+    state = EvalState()
     now = 0.0
     for gap, first, second in steps:
         now += gap
-        timeline.append((now, [sample(first), sample(second, level="x")]))
-    assert run([rule], timeline) == run([rule], timeline)
+        before = dict(state.alerts)
+        readings = {"balanced": first, "x": second}
+        samples = [sample(value, level=level) for level, value in readings.items()]
+        new_state, transitions = evaluate(state, [rule], samples, at(now), REPEAT_S)
+        assert dict(state.alerts) == before
+        got = [
+            (t.labels["level"], t.state, t.notify, t.value, (t.active_since - T0).total_seconds())
+            for t in transitions
+        ]
+        expected = [
+            (level, *change)
+            for level, value in readings.items()
+            if (change := model[level].step(value, now, for_s)) is not None
+        ]
+        assert got == expected, now
+        state = new_state
+
+
+@dataclasses.dataclass
+class _ModelAlert:
+    """CACHE_LOW (`value < 0.7`) for one label set, as the evaluator's docstring states it."""
+
+    state: str | None = None  # None, "pending" or "firing"
+    since: float = 0.0
+    notified: float = 0.0
+
+    def step(
+        self, value: float | None, now: float, for_s: float
+    ) -> tuple[str, bool, float, float] | None:
+        """(state, notify, value, active since) of the transition at `now`, or None."""
+        if value is None or math.isnan(value):
+            return None  # no data: nothing changes
+        if value >= 0.7:
+            was, self.state = self.state, None
+            return ("resolved", True, value, self.since) if was == "firing" else None
+        if self.state is None:
+            self.state, self.since = "pending", now
+            if for_s > 0:
+                return ("pending", False, value, self.since)
+        if self.state == "pending" and now - self.since < for_s:
+            return None
+        if self.state == "firing" and now - self.notified < REPEAT_S:
+            return None
+        self.state, self.notified = "firing", now
+        return ("firing", True, value, self.since)
 
 
 @settings(max_examples=200, deadline=None)

@@ -14,7 +14,9 @@ from alerts.durations import format_duration, parse_duration
 from alerts.rules import DEFAULT_RULES, Relative, Rule, RuleError, load_rules, parse_rules
 from alerts.templates import render_all
 from services.aggregator.summary import WindowSummary
+from services.config import SignalSettings
 
+THRESHOLDS = SignalSettings().as_thresholds()
 VALID = """\
 rules:
   - name: CacheLow
@@ -29,7 +31,7 @@ rules:
 
 
 def by_name() -> dict[str, Rule]:
-    return {rule.name: rule for rule in load_rules(DEFAULT_RULES)}
+    return {rule.name: rule for rule in load_rules(DEFAULT_RULES, THRESHOLDS)}
 
 
 def test_default_rules_cover_the_mission_alerts() -> None:

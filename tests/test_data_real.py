@@ -56,7 +56,7 @@ def test_code_corpus_is_code(home: Path) -> None:
 def test_halueval_items(home: Path) -> None:
     items = halueval_items(home)
     assert len(items) == 10_000
-    assert all(item.question and item.right_answer and item.hallucinated_answer for item in items)
+    assert all(item.knowledge and item.question and item.right_answer for item in items)
     assert load_texts("halueval", home) == [item.question for item in items]
 
 

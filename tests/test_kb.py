@@ -110,7 +110,12 @@ def test_hostile_or_empty_queries_never_raise(filled: sessionmaker[Session], que
 @given(query=st.text(max_size=60))
 def test_any_text_is_a_valid_query(filled: sessionmaker[Session], query: str) -> None:
     with filled() as session:
-        assert isinstance(kb.search(session, query, 2), list)
+        hits = kb.search(session, query, 2)
+    assert len(hits) <= 2
+    assert [hit.score for hit in hits] == sorted((hit.score for hit in hits), reverse=True)
+    assert {(hit.source, hit.title) for hit in hits} <= {(p.source, p.title) for p in PASSAGES}
+    if not kb.query_terms(query):
+        assert hits == []
 
 
 def test_index_follows_updates_and_deletes(filled: sessionmaker[Session]) -> None:

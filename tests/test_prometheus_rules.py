@@ -22,12 +22,13 @@ from alerts.prometheus import (
 from alerts.rules import DEFAULT_RULES, load_rules
 from services.aggregator.metrics import AGGREGATOR_METRICS, ALERT_SERIES
 from services.cli import alerts as alerts_cli
-from services.config import Settings
+from services.config import Settings, SignalSettings
 from services.gateway.metrics import GATEWAY_METRICS
 from services.shared.metrics_table import MetricSpec
 
 PROMTOOL_TESTS = DEFAULT_RULES.with_name("promtool_tests.yaml")
 PREFIX = "sparseguard_"
+THRESHOLDS = SignalSettings().as_thresholds()
 
 
 def exposed_names(spec: MetricSpec) -> set[str]:
@@ -47,11 +48,11 @@ def table_names() -> set[str]:
 
 
 def exported() -> str:
-    return export_prometheus(load_rules(DEFAULT_RULES), ALERT_SERIES)
+    return export_prometheus(load_rules(DEFAULT_RULES, THRESHOLDS), ALERT_SERIES)
 
 
 def test_every_metric_in_the_exported_rules_exists_in_the_metric_tables() -> None:
-    rules = load_rules(DEFAULT_RULES)
+    rules = load_rules(DEFAULT_RULES, THRESHOLDS)
     expressions = [
         rule["expr"] for rule in to_prometheus(rules, ALERT_SERIES)["groups"][0]["rules"]
     ]
@@ -63,13 +64,13 @@ def test_every_metric_in_the_exported_rules_exists_in_the_metric_tables() -> Non
 
 
 def test_every_default_rule_is_exported() -> None:
-    assert unexported(load_rules(DEFAULT_RULES), ALERT_SERIES) == []
+    assert unexported(load_rules(DEFAULT_RULES, THRESHOLDS), ALERT_SERIES) == []
     assert "Not exported" not in exported()
 
 
 def test_rules_without_a_prometheus_series_are_named_in_the_header() -> None:
     series = {k: v for k, v in ALERT_SERIES.items() if k != "golden_check_age_s"}
-    rules = load_rules(DEFAULT_RULES)
+    rules = load_rules(DEFAULT_RULES, THRESHOLDS)
     assert [rule.name for rule in unexported(rules, series)] == ["GoldenCheckMissed"]
     text = export_prometheus(rules, series)
     assert "(no Prometheus series for 'golden_check_age_s' yet): GoldenCheckMissed" in text
@@ -77,7 +78,7 @@ def test_rules_without_a_prometheus_series_are_named_in_the_header() -> None:
 
 
 def test_export_matches_the_rules() -> None:
-    [group] = to_prometheus(load_rules(DEFAULT_RULES), ALERT_SERIES)["groups"]
+    [group] = to_prometheus(load_rules(DEFAULT_RULES, THRESHOLDS), ALERT_SERIES)["groups"]
     by_name = {rule["alert"]: rule for rule in group["rules"]}
     sparsity = by_name["SparsityBelowTarget"]
     assert sparsity["for"] == "5m" and sparsity["labels"] == {"severity": "warning"}
@@ -92,7 +93,9 @@ def test_export_matches_the_rules() -> None:
 def test_export_is_deterministic_and_the_cli_writes_it(tmp_path: Path) -> None:
     text = exported()
     assert text == exported()
-    assert yaml.safe_load(text) == to_prometheus(load_rules(DEFAULT_RULES), ALERT_SERIES)
+    assert yaml.safe_load(text) == to_prometheus(
+        load_rules(DEFAULT_RULES, THRESHOLDS), ALERT_SERIES
+    )
     out = tmp_path / "rules.yaml"
     args = argparse.Namespace(rules=None, out=out)
     assert alerts_cli.run_export(args, Settings()) == 0

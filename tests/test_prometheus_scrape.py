@@ -68,7 +68,8 @@ def running_prometheus(tmp_path: Path, targets: dict[str, str]) -> Iterator[str]
     """Prometheus scraping `targets` (job -> base URL) every second with the exported alert
     rules loaded; yields its URL once it is ready and every target is up. Always stopped."""
     rules = tmp_path / "sparseguard-rules.yaml"
-    rules.write_text(export_prometheus(load_rules(DEFAULT_RULES), ALERT_SERIES))
+    thresholds = Settings().signals.as_thresholds()
+    rules.write_text(export_prometheus(load_rules(DEFAULT_RULES, thresholds), ALERT_SERIES))
     interval = f"{SCRAPE_INTERVAL_S:g}s"
     config = {
         "global": {

@@ -266,9 +266,12 @@ def test_torn_spool_line_is_skipped(tmp_path: Path) -> None:
     with next(tmp_path.glob("segment-*.jsonl")).open("ab") as file:
         file.write(b'{"topic": "sparseguard.tel')  # a crash mid-write
     reopened = Spool(tmp_path, max_bytes=1 << 20)
-    segment = reopened.oldest()
-    assert segment is not None and reopened.num_records == 2
-    records, num_bad = reopened.read(segment)
+    try:
+        segment = reopened.oldest()
+        assert segment is not None and reopened.num_records == 2
+        records, num_bad = reopened.read(segment)
+    finally:
+        reopened.close()
     assert [r.value for r in records] == [b'{"a": 1}'] and num_bad == 1
 
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.config import Settings, TrustSettings
+from services.config import Settings, SignalSettings, TrustSettings
 from services.gateway.fallback import route_action, simplified, with_passages
 from services.gateway.schemas import ChatInput
 from services.gateway.trust import RollingBaseline, TrustJudge
@@ -192,13 +192,13 @@ def test_rolling_baseline_warms_up_then_flags_a_jump() -> None:
 def _stats(silence: list[float], confidence: float = 0.85, entropy: float = 0.5) -> GenerationStats:
     summary = SignalSummary(0.5, [0.5] * len(silence), confidence, 1.0, silence, [0.5], entropy)
     return GenerationStats(
-        "Paris", "balanced", "v1", 10, 1, "stop", 0.1, 0.2, 10.0, 100.0, 3.0, summary,
+        "Paris", "balanced", "v1", 10, 1, "stop", 0.1, 10.0, 100.0, 3.0, summary,
         token_logprobs=[-0.1], token_entropies=[0.2],
     )  # fmt: skip
 
 
 def test_judge_reasons_and_header() -> None:
-    judge = TrustJudge(TrustSettings(min_score=0.3), None)
+    judge = TrustJudge(TrustSettings(min_score=0.3), SignalSettings(), None)
     calm = judge.assess(_stats([0.1, 0.1, 0.1, 0.1]), "prompt", is_dense=False)
     assert calm.reasons == () and not calm.low and calm.action == "none"
     assert calm.header() == "0.900; action=none"

@@ -23,7 +23,7 @@ from services.aggregator.windows import (
     new_state,
     snapshot,
 )
-from services.telemetry.schema import TelemetryEvent
+from services.telemetry.schema import REASON_LOW_SCORE, REASON_SILENCE_SPIKE, TelemetryEvent
 from tests.window_fixtures import (
     BASE,
     KEY,
@@ -37,7 +37,12 @@ from tests.window_fixtures import (
 
 
 def hand_made_events() -> list[TelemetryEvent]:
-    spike = {"silence_rate_per_layer": [0.1, 0.9, 0.9, 0.9], "trust_action": "flag"}
+    # The fold counts the spike the gateway judged (the reason), not the silence it carries.
+    spike = {
+        "silence_rate_per_layer": [0.1, 0.9, 0.9, 0.9],
+        "trust_action": "flag",
+        "trust_reasons": [REASON_SILENCE_SPIKE, REASON_LOW_SCORE],
+    }
     return [
         make_event(
             secs(1),
@@ -66,6 +71,7 @@ def hand_made_events() -> list[TelemetryEvent]:
             secs(40),
             gate_confidence=0.70,
             silence_rate_per_layer=[0.5, 0.8],
+            trust_reasons=[REASON_LOW_SCORE],
             ttft_ms=1000.0,
             total_ms=5000.0,
             trust_action="fallback",
@@ -124,6 +130,7 @@ def test_error_events_count_in_requests_and_errors_only() -> None:
         sparsity_ratio=0.3,
         trust_action="flag",
         silence_rate_per_layer=[0.99, 0.99, 0.99],
+        trust_reasons=[REASON_SILENCE_SPIKE],
     )
     summary = snapshot(fold([make_event(status="error"), failed]), secs(1))[KEY]["5m"]
     assert (summary.requests, summary.errors, summary.error_rate) == (2, 2, 1.0)
@@ -236,7 +243,6 @@ def test_drop_keys_forgets_keys_no_longer_owned() -> None:
         {"bucket_s": {"5m": 0.0}},
         {"lateness_s": -1.0},
         {"gate_band": (0.9, 0.8)},
-        {"late_layers": 0},
     ],
 )
 def test_invalid_config_is_rejected(kwargs: dict[str, Any]) -> None:

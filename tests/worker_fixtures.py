@@ -11,23 +11,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-import redis
-
-REDIS_URL = os.environ.get("SPARSEGUARD_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 SPARSEGUARD = Path(sys.executable).with_name("sparseguard")
-
-
-def redis_available() -> bool:
-    try:
-        return bool(redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1).ping())
-    except redis.RedisError:
-        return False
-
-
-needs_redis = pytest.mark.skipif(
-    not redis_available(), reason=f"no Redis at {REDIS_URL} (start redis-server)"
-)
 
 
 def job_env(state: Path, cache: Path, **settings: str | int | float) -> dict[str, str]:

@@ -10,7 +10,7 @@ from typing import cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from services.aggregator.windows import is_spike
+from services.aggregator.buckets import is_spike
 from services.shared.metrics_table import MetricSpec, declare
 from services.telemetry.schema import TelemetryEvent
 

@@ -32,7 +32,12 @@ def build_aggregator(settings: Settings) -> Aggregator:
     url = f"http://{settings.aggregator.host}:{settings.aggregator.port}"
     celery = make_celery(settings)
     alerting = AlertLoop(
-        settings.alerts, sessions, registry, url, celery, signals=settings.signals
+        settings.alerts,
+        sessions,
+        registry,
+        external_url=url,
+        celery=celery,
+        signals=settings.signals,
     )
     return Aggregator(settings, sessions, AggregatorMetrics(registry), alerting=alerting)
 

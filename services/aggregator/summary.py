@@ -23,7 +23,7 @@ class WindowSummary:
     gate_confidence_mean: float | None
     gate_outside_band_share: float | None
     activation_stability_mean: float | None
-    gate_entropy_mean: float | None  # normalised saliency entropy; > 0.95 = gate degraded
+    gate_entropy_mean: float | None  # saliency entropy; gate degraded above gate_uniform_entropy
     drift_kl_mean: float | None
     drift_samples: int
     silence_rate_per_layer: list[float]

@@ -8,7 +8,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from services.aggregator.windows import apply, new_state
-from services.telemetry.schema import TelemetryEvent
+from services.telemetry.schema import REASON_SILENCE_SPIKE, TelemetryEvent
+
+SPIKE_SHARE = 0.01  # requests the (imagined) gateway judged a silence spike
 
 
 def synthetic_events(num_events: int, seed: int = 0) -> list[TelemetryEvent]:
@@ -46,6 +48,7 @@ def _synthetic_event(rng: random.Random, i: int, at: datetime) -> TelemetryEvent
         total_ms=rng.lognormvariate(7, 1),
         cache_hit_rate=rng.random(),
         trust_action=rng.choice(("none", "none", "flag")),
+        trust_reasons=[REASON_SILENCE_SPIKE] if rng.random() < SPIKE_SHARE else [],
     )
 
 

@@ -13,12 +13,13 @@ own bucket. `snapshot(state, now)` summarises, per window, the buckets whose sta
 `now` is meant to be at or after the watermark (the wall clock); an earlier `now` only sees
 buckets not yet recycled.
 
-A silence spike is an event whose `trust_reasons` carry REASON_SILENCE_SPIKE: the gateway judged
-it against the signal settings, the fold only counts it. Error events count in `requests` and
-`errors` only. Means skip missing and non-finite values
-and keep their own denominators. Latency and TTFT go into fixed log-spaced histograms
-(`histograms`), so partial states merge exactly: `merge(a, b)` is the alternative to owning a
-partition key outright (each member folds what it gets, a reader adds the states up).
+What one event adds to a bucket is in `buckets`: a silence spike is an event whose
+`trust_reasons` carry REASON_SILENCE_SPIKE (the gateway judged it against the signal settings;
+the fold only counts it). Error events count in `requests` and `errors` only. Means skip missing
+and non-finite values and keep their own denominators. Latency and TTFT go into fixed
+log-spaced histograms (`histograms`), so partial states merge exactly: `merge(a, b)` is the
+alternative to owning a partition key outright (each member folds what it gets, a reader adds
+the states up).
 """
 
 from __future__ import annotations
@@ -29,23 +30,22 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from services.aggregator.histograms import Histogram
+from services.aggregator.buckets import (
+    CACHE,
+    DRIFT,
+    ENTROPY,
+    GATE,
+    SPARSITY,
+    STABILITY,
+    Bucket,
+    observe,
+)
 from services.aggregator.summary import WindowSummary
 from services.config import SignalSettings
-from services.telemetry.schema import REASON_SILENCE_SPIKE, TelemetryEvent
+from services.telemetry.schema import TelemetryEvent
 
 WINDOWS: dict[str, float] = {"5m": 300, "1h": 3600, "24h": 86400}
 DEFAULT_BUCKET_S: dict[str, float] = {"5m": 10, "1h": 60, "24h": 900}
-# Signals averaged per window, in the order of Bucket.sums / Bucket.counts.
-MEAN_FIELDS = (
-    "sparsity_ratio",
-    "gate_confidence",
-    "activation_stability_pct",
-    "semantic_drift_kl",
-    "cache_hit_rate",
-    "gate_entropy",
-)
-_SPARSITY, _GATE, _STABILITY, _DRIFT, _CACHE, _ENTROPY = range(len(MEAN_FIELDS))
 Key = tuple[str, str]  # (model, level), the telemetry partition key
 
 
@@ -68,114 +68,6 @@ class FoldConfig:
 
     def ring_size(self, window: str) -> int:
         return max(1, round(WINDOWS[window] / self.bucket_s[window]))
-
-
-@dataclass(slots=True)
-class Observation:
-    """What one event contributes, computed once and added to one bucket per window."""
-
-    is_error: bool
-    values: list[float | None]  # aligned with MEAN_FIELDS
-    gate_outside: bool = False
-    silence: list[float | None] = field(default_factory=list)
-    spike: bool = False
-    trust_action: str | None = None
-    ttft_ms: float | None = None
-    total_ms: float | None = None
-
-
-def is_spike(event: TelemetryEvent) -> bool:
-    """Whether the gateway judged the request a late-layer silence spike."""
-    return event.status != "error" and REASON_SILENCE_SPIKE in event.trust_reasons
-
-
-def observe(event: TelemetryEvent, config: FoldConfig) -> Observation:
-    if event.status == "error":
-        return Observation(is_error=True, values=[None] * len(MEAN_FIELDS))
-    values = [_finite(getattr(event, name)) for name in MEAN_FIELDS]
-    gate = values[_GATE]
-    silence = [_finite(rate) for rate in event.silence_rate_per_layer]
-    action = event.trust_action if event.trust_action != "none" else None
-    return Observation(
-        is_error=False,
-        values=values,
-        gate_outside=gate is not None and not config.gate_band[0] <= gate <= config.gate_band[1],
-        silence=silence,
-        spike=is_spike(event),
-        trust_action=action,
-        ttft_ms=_finite(event.ttft_ms),
-        total_ms=_finite(event.total_ms),
-    )
-
-
-def _finite(value: float | None) -> float | None:
-    return value if value is not None and math.isfinite(value) else None
-
-
-@dataclass(slots=True)
-class Bucket:
-    """Running sums of one time bucket (index = floor(epoch seconds / bucket_s))."""
-
-    index: int
-    requests: int = 0
-    errors: int = 0
-    sums: list[float] = field(default_factory=lambda: [0.0] * len(MEAN_FIELDS))
-    counts: list[int] = field(default_factory=lambda: [0] * len(MEAN_FIELDS))
-    gate_outside: int = 0
-    silence_sums: list[float] = field(default_factory=list)
-    silence_counts: list[int] = field(default_factory=list)
-    spikes: int = 0
-    trust_actions: dict[str, int] = field(default_factory=dict)
-    ttft: Histogram = field(default_factory=Histogram)
-    latency: Histogram = field(default_factory=Histogram)
-
-    def add(self, obs: Observation) -> None:
-        self.requests += 1
-        if obs.is_error:
-            self.errors += 1
-            return
-        for i, value in enumerate(obs.values):
-            if value is not None:
-                self.sums[i] += value
-                self.counts[i] += 1
-        self.gate_outside += obs.gate_outside
-        self.spikes += obs.spike
-        self._grow(len(obs.silence))
-        for layer, rate in enumerate(obs.silence):
-            if rate is not None:
-                self.silence_sums[layer] += rate
-                self.silence_counts[layer] += 1
-        if obs.trust_action is not None:
-            self.trust_actions[obs.trust_action] = self.trust_actions.get(obs.trust_action, 0) + 1
-        if obs.ttft_ms is not None:
-            self.ttft.add(obs.ttft_ms)
-        if obs.total_ms is not None:
-            self.latency.add(obs.total_ms)
-
-    def _grow(self, num_layers: int) -> None:
-        missing = num_layers - len(self.silence_sums)
-        if missing > 0:
-            self.silence_sums.extend([0.0] * missing)
-            self.silence_counts.extend([0] * missing)
-
-    def merge(self, other: Bucket) -> None:
-        self.requests += other.requests
-        self.errors += other.errors
-        self.sums = [a + b for a, b in zip(self.sums, other.sums, strict=True)]
-        self.counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
-        self.gate_outside += other.gate_outside
-        self.spikes += other.spikes
-        self._grow(len(other.silence_sums))
-        for layer, count in enumerate(other.silence_counts):
-            self.silence_sums[layer] += other.silence_sums[layer]
-            self.silence_counts[layer] += count
-        for action, count in other.trust_actions.items():
-            self.trust_actions[action] = self.trust_actions.get(action, 0) + count
-        self.ttft.merge(other.ttft)
-        self.latency.merge(other.latency)
-
-    def mean(self, i: int) -> float | None:
-        return self.sums[i] / self.counts[i] if self.counts[i] else None
 
 
 @dataclass(slots=True)
@@ -249,7 +141,7 @@ def _apply_one(state: State, event: TelemetryEvent) -> None:
         state.late_dropped += 1
         return
     entry.watermark = max(entry.watermark, at)
-    obs = observe(event, state.config)
+    obs = observe(event, state.config.gate_band)
     if not obs.is_error and event.calibration_version is not None:
         entry.calibration = max(entry.calibration or (at, ""), (at, event.calibration_version))
     for ring in entry.rings.values():
@@ -320,7 +212,7 @@ def _summarize(
     for bucket in ring.covering(last):
         total.merge(bucket)
     version = entry.calibration[1] if entry.calibration else None
-    outside = total.gate_outside / total.counts[_GATE] if total.counts[_GATE] else None
+    outside = total.gate_outside / total.counts[GATE] if total.counts[GATE] else None
     silence = zip(total.silence_sums, total.silence_counts, strict=True)
     return WindowSummary(
         window=window,
@@ -329,18 +221,18 @@ def _summarize(
         requests=total.requests,
         errors=total.errors,
         error_rate=total.errors / total.requests if total.requests else 0.0,
-        sparsity_mean=total.mean(_SPARSITY),
+        sparsity_mean=total.mean(SPARSITY),
         sparsity_target=targets.get(version) if version is not None else None,
-        gate_confidence_mean=total.mean(_GATE),
+        gate_confidence_mean=total.mean(GATE),
         gate_outside_band_share=outside,
-        activation_stability_mean=total.mean(_STABILITY),
-        gate_entropy_mean=total.mean(_ENTROPY),
-        drift_kl_mean=total.mean(_DRIFT),
-        drift_samples=total.counts[_DRIFT],
+        activation_stability_mean=total.mean(STABILITY),
+        gate_entropy_mean=total.mean(ENTROPY),
+        drift_kl_mean=total.mean(DRIFT),
+        drift_samples=total.counts[DRIFT],
         silence_rate_per_layer=[s / n if n else 0.0 for s, n in silence],
         silence_spikes=total.spikes,
         trust_actions=dict(total.trust_actions),
-        cache_hit_rate_mean=total.mean(_CACHE),
+        cache_hit_rate_mean=total.mean(CACHE),
         ttft_ms=total.ttft.quantiles(),
         latency_ms=total.latency.quantiles(),
         calibration_version=version,

@@ -8,8 +8,7 @@ state change: a crash loses either both or neither, and the dispatcher (any proc
 what was committed. Delivery is at-least-once; receivers dedupe on the `webhook-id` header,
 `message_id(row)`, which stays the same across retries.
 
-A receiver is disabled while any of its rows is `disabled` (there is no receivers table):
-`enable_receiver` puts those rows back in the queue."""
+A receiver is disabled while any of its rows is `disabled` (there is no receivers table)."""
 
 from __future__ import annotations
 
@@ -75,16 +74,12 @@ def enqueue(
     return row.id
 
 
-def due(session: Session, now: datetime, limit: int) -> list[WebhookDelivery]:
-    """Pending rows whose next attempt is at or before `now`, oldest first."""
-    return list(session.scalars(_due_query(now, limit)))
-
-
 def claim_due(
     session: Session, now: datetime, limit: int, lease: timedelta
 ) -> list[WebhookDelivery]:
-    """Like `due`, but pushes each row's next attempt `lease` ahead, so other dispatchers skip
-    it until this one records the attempt — or, if this one dies, until the lease runs out.
+    """Pending rows whose next attempt is at or before `now`, oldest first, each with its next
+    attempt pushed `lease` ahead, so other dispatchers skip it until this one records the
+    attempt — or, if this one dies, until the lease runs out.
     PostgreSQL skips rows another transaction is claiming; SQLite serialises writers anyway."""
     rows = list(session.scalars(_due_query(now, limit).with_for_update(skip_locked=True)))
     for row in rows:
@@ -162,17 +157,6 @@ def disabled_receivers(session: Session) -> set[str]:
     """Receivers that answered 410 Gone and have not been enabled again."""
     query = select(WebhookDelivery.receiver).where(WebhookDelivery.status == "disabled").distinct()
     return set(session.scalars(query))
-
-
-def enable_receiver(session: Session, receiver: str, now: datetime) -> int:
-    """Re-enable `receiver` (its endpoint is back): its disabled rows become due at `now`,
-    so nothing held back while it was disabled is lost. Returns how many rows."""
-    statement = (
-        update(WebhookDelivery)
-        .where(WebhookDelivery.receiver == receiver, WebhookDelivery.status == "disabled")
-        .values(status="pending", next_attempt_at=now, last_error=None)
-    )
-    return _rowcount(session, statement)
 
 
 def pending_count(session: Session) -> int:

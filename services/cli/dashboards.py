@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from dashboards import DASHBOARDS, JSON_DIR, write_all
+from dashboards import JSON_DIR, dashboards, write_all
 from dashboards.push import TIMEOUT_S, push
 from services.cli.common import emit
 from services.config import Settings
@@ -27,13 +27,13 @@ def register(commands: Any) -> None:
 
 
 def run_generate(args: argparse.Namespace, settings: Settings) -> int:
-    for path in write_all(args.out):
+    for path in write_all(args.out, settings.signals):
         emit(str(path))
     return 0
 
 
 def run_push(args: argparse.Namespace, settings: Settings) -> int:
-    dashboards = [dashboard.to_json() for dashboard in DASHBOARDS]
-    for uid, url in push(dashboards, args.grafana_url, args.token, args.folder, args.timeout):
+    found = [dashboard.to_json() for dashboard in dashboards(settings.signals)]
+    for uid, url in push(found, args.grafana_url, args.token, args.folder, args.timeout):
         emit(f"{uid} {url}")
     return 0

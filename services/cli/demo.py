@@ -32,7 +32,8 @@ def register(commands: Any) -> None:
 
 
 def prompts(settings: Settings, sharegpt: int, halueval: int) -> list[str]:
-    chats = [t for t in corpora.load_texts("sharegpt", settings.cache_home) if len(t) < 600]
+    sharegpt_texts = corpora.load_texts("sharegpt", settings.cache_home)
+    chats = [t for t in sharegpt_texts if len(t) < MAX_PROMPT_CHARS]
     questions = [item.question for item in corpora.halueval_items(settings.cache_home)]
     return chats[:sharegpt] + questions[:halueval]
 

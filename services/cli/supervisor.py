@@ -148,13 +148,15 @@ class Supervisor:
         self._wait_ready(self._launch(child.spec))
 
     def _forward(self, child: Child) -> None:
+        """Copy the child's output to the sink line by line; close the pipe once it ends."""
         assert child.process.stdout is not None
-        for raw in child.process.stdout:
-            line = raw.decode(errors="replace").rstrip()
-            child.output.append(line)
-            with self._lock:
-                self.sink.write(f"{child.name:>10} | {line}\n")
-                self.sink.flush()
+        with child.process.stdout as stream:
+            for raw in stream:
+                line = raw.decode(errors="replace").rstrip()
+                child.output.append(line)
+                with self._lock:
+                    self.sink.write(f"{child.name:>10} | {line}\n")
+                    self.sink.flush()
 
 
 def _signal_group(process: subprocess.Popen[bytes], signum: int) -> None:

@@ -13,8 +13,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-ANONYMOUS_KEY_ID = "anonymous"
-KEY_ID_CHARS = 8
 MISSING_KEY = "missing API key: send Authorization: Bearer <key> or x-api-key"
 INVALID_KEY = "invalid API key"
 NOT_ADMIN = "this endpoint needs an admin API key"
@@ -32,9 +30,8 @@ class AuthError(Exception):
 
 @dataclass(frozen=True)
 class Principal:
-    """Who is calling: `key_id` is the first 8 hex digits of the key's hash."""
+    """An authenticated caller: a holder of a valid key, which may be an admin key."""
 
-    key_id: str
     is_admin: bool
 
 
@@ -52,7 +49,7 @@ def authenticate(
     """The caller presenting `Authorization: Bearer KEY` or `x-api-key: KEY`. A Bearer token
     takes precedence when both headers are sent. Admin keys are valid normal keys too."""
     if not key_hashes and not admin_hashes:
-        return Principal(key_id=ANONYMOUS_KEY_ID, is_admin=True)
+        return Principal(is_admin=True)
     key = bearer_token(authorization) or _stripped(x_api_key)
     if key is None:
         raise AuthError(401, MISSING_KEY)
@@ -60,7 +57,7 @@ def authenticate(
     is_admin = _matches_any(digest, admin_hashes)
     if not (is_admin or _matches_any(digest, key_hashes)):
         raise AuthError(401, INVALID_KEY)
-    return Principal(key_id=digest[:KEY_ID_CHARS], is_admin=is_admin)
+    return Principal(is_admin=is_admin)
 
 
 def require_admin(p: Principal) -> None:

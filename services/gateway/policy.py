@@ -30,8 +30,7 @@ RAISED_TEMPERATURE = 0.3
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when the request leaves it out
 NO_CHANGES = "none"
 
-# Sparseness order: a higher rank skips more work.
-_RANK = {Level.DENSE: 0, Level.CONSERVATIVE: 1, Level.BALANCED: 2, Level.AGGRESSIVE: 3}
+# The next less sparse level: a long system prompt steps the level down by one.
 _STEP_DOWN = {Level.AGGRESSIVE: Level.BALANCED, Level.BALANCED: Level.CONSERVATIVE}
 # A parsed level request: a fixed level, or "auto" (pick by input entropy).
 LevelChoice = Level | Literal["auto"]
@@ -103,11 +102,6 @@ def level_for_entropy(bits_per_char: float) -> Level:
     if bits_per_char > AGGRESSIVE_ABOVE_BITS:
         return Level.AGGRESSIVE
     return Level.BALANCED
-
-
-def sparseness_rank(level: Level) -> int:
-    """0 for dense, rising with how much work the level skips."""
-    return _RANK[level]
 
 
 def header_value(changes: Sequence[str]) -> str:

@@ -81,46 +81,9 @@ def summaries_since(
     return list(session.scalars(statement.order_by(RequestSummary.time, RequestSummary.id)))
 
 
-def count_summaries(session: Session, model: str | None = None, level: str | None = None) -> int:
-    statement = select(func.count()).select_from(RequestSummary)
-    if model is not None:
-        statement = statement.where(RequestSummary.model == model)
-    if level is not None:
-        statement = statement.where(RequestSummary.level == level)
-    return session.scalar(statement) or 0
-
-
 def save_snapshots(session: Session, rows: list[dict[str, Any]]) -> None:
     session.add_all(WindowSnapshot(**row) for row in rows)
     session.flush()
-
-
-def latest_snapshots(session: Session, model: str, level: str) -> list[WindowSnapshot]:
-    """The newest snapshot of each window of `model` and `level`, ordered by window name."""
-    ranked = (
-        select(
-            WindowSnapshot.id,
-            func.row_number()
-            .over(
-                partition_by=WindowSnapshot.window,
-                order_by=(
-                    WindowSnapshot.window_end.desc(),
-                    WindowSnapshot.taken_at.desc(),
-                    WindowSnapshot.id.desc(),
-                ),
-            )
-            .label("rank"),
-        )
-        .where(WindowSnapshot.model == model, WindowSnapshot.level == level)
-        .subquery()
-    )
-    statement = (
-        select(WindowSnapshot)
-        .join(ranked, ranked.c.id == WindowSnapshot.id)
-        .where(ranked.c.rank == 1)
-        .order_by(WindowSnapshot.window)
-    )
-    return list(session.scalars(statement))
 
 
 def upsert_calibration(session: Session, record: dict[str, Any]) -> None:

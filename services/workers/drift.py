@@ -1,7 +1,8 @@
 """The golden-set drift check as a job: run dense and each sparse level over the golden set,
-store one run per level, and act. A level over the per-check budget (0.8 BLEU points) raises
-the GoldenDriftHigh alert (the aggregator evaluates the stored runs); a 24 h average over 1.2
-queues a recalibration of that level and raises the model's fine-tune flag."""
+store one run per level, and act. A level over the per-check budget (signals.drift_budget_bleu,
+BLEU points) raises the GoldenDriftHigh alert (the aggregator evaluates the stored runs); a 24 h
+average over signals.drift_recalibrate_bleu queues a recalibration of that level and raises the
+model's fine-tune flag."""
 
 from __future__ import annotations
 
@@ -9,20 +10,16 @@ import logging
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import torch
 from celery import Celery
 from sqlalchemy.orm import Session, sessionmaker
 from tqdm import tqdm
 
 from services.config import Settings
+from services.shared.engine import build_engine
 from services.storage.repository import set_flag
 from services.workers import golden, jobs
 from services.workers.golden_set import load_golden
 from services.workers.jobs import ClaimedJob
-from sparse_engine.calibration.store import CalibrationStore
-from sparse_engine.model.catalog import resolve_model
-from sparse_engine.model.loader import load_model
-from sparse_engine.runtime.engine import Engine
 from sparse_engine.sparsity.plan import Level
 
 log = logging.getLogger(__name__)
@@ -32,11 +29,7 @@ DAY = timedelta(hours=24)
 def golden_check(
     settings: Settings, sessions: sessionmaker[Session], celery: Celery, job: ClaimedJob
 ) -> dict[str, Any]:
-    if settings.engine.threads:
-        torch.set_num_threads(settings.engine.threads)
-    model = job.params.get("model") or settings.engine.model
-    lm = load_model(resolve_model(model, settings.cache_home))
-    engine = Engine(lm, CalibrationStore(settings.calibrations_dir).latest_plans(lm.weights_sha256))
+    engine = build_engine(settings, job.params.get("model"))  # the decode path the gateway serves
     if settings.jobs.golden_set is not None:
         path = settings.golden_set_path
     else:
@@ -50,12 +43,18 @@ def golden_check(
     if not results:
         raise ValueError("no sparse level is calibrated; run `sparseguard calibrate --level all`")
     with sessions.begin() as session:
-        by_level = record(session, settings, lm.model_id, results, job, datetime.now(UTC))
+        by_level = record(session, settings, engine.lm.model_id, results, job, datetime.now(UTC))
     for level, figures in by_level.items():
         log.info("golden check %s: %s", level, figures)
         if "recalibration_job" in figures:
             jobs.dispatch(celery, figures["recalibration_job"], "recalibrate")
-    return {"golden_set": str(path), "prompts": len(items), "levels": by_level}
+    fast_path = engine.fast.dtype if engine.fast is not None else "off"
+    return {
+        "golden_set": str(path),
+        "prompts": len(items),
+        "fast_path": fast_path,
+        "levels": by_level,
+    }
 
 
 def record(
@@ -78,9 +77,9 @@ def record(
             "drift_bleu_24h": None if average is None else round(average, 3),
             "kl_mean": round(result.kl_mean, 4),
             "answers_changed": result.answers_changed,
-            "over_budget": result.over_budget(settings.jobs.drift_budget_bleu),
+            "over_budget": result.over_budget(settings.signals.drift_budget_bleu),
         }
-        if average is not None and average > settings.jobs.drift_recalibrate_bleu:
+        if average is not None and average > settings.signals.drift_recalibrate_bleu:
             details = {"level": result.level, "drift_bleu_24h": average, "golden_job": job.id}
             set_flag(session, model_id, "finetune", "golden-drift", details)
             reason = f"golden-drift:{result.level}"
