@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from services.aggregator.alert_loop import AlertLoop
 from services.aggregator.loop import Aggregator
 from services.aggregator.metrics import AggregatorMetrics
-from services.config import StorageSettings
+from services.config import SignalSettings, StorageSettings
 from services.gateway.app import create_app
 from services.gateway.auth import hash_key
 from services.gateway.routes.status import NO_SNAPSHOTS
@@ -54,7 +54,9 @@ SNAPSHOTS = 3
 
 @pytest.fixture
 def empty_gateway(tmp_path: Path) -> Iterator[str]:
-    with running_gateway(settings_for(tmp_path), tiny_engine(), RecordingSink()) as url:
+    settings = settings_for(tmp_path)
+    settings.signals = SignalSettings(gate_band=(0.6, 0.9), spike_silence=0.7)
+    with running_gateway(settings, tiny_engine(), RecordingSink()) as url:
         yield url
 
 
@@ -75,7 +77,7 @@ def test_status_data_on_an_empty_database_says_so(empty_gateway: str) -> None:
     assert data["windows"] == data["series"] == data["alerts"] == []
     assert data["trust_actions"] == data["calibrations"] == []
     assert data["serving"]["levels"]["balanced"] == "tiny-balanced"
-    assert data["gate_band"] == [0.75, 0.92]
+    assert (data["gate_band"], data["spike_silence"]) == ([0.6, 0.9], 0.7)  # from settings
     assert response.headers["cache-control"] == "no-store"
 
 

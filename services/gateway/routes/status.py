@@ -19,6 +19,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from services.aggregator.windows import WINDOWS
+from services.config import SignalSettings
 from services.gateway.deps import AdminDep, RuntimeDep
 from services.gateway.errors import ApiError
 from services.storage import repository
@@ -119,6 +120,7 @@ class StatusData(BaseModel):
     generated_at: datetime
     message: str | None  # why there is nothing to show yet
     gate_band: tuple[float, float]
+    spike_silence: float  # the late-layer silence of a spike, for the heat maps' legend
     serving: Serving
     windows: list[WindowRow]
     series: list[Series]
@@ -146,15 +148,13 @@ def status_data(rt: RuntimeDep, _: AdminDep, response: Response) -> StatusData:
     try:
         sessions, _celery = rt.jobs.open()
         with sessions() as session:
-            return _read(session, now, serving, rt.settings.signals.gate_band)
+            return _read(session, now, serving, rt.settings.signals)
     except SQLAlchemyError:
         log.exception("status data: the database could not be read")
         raise ApiError(503, "the status database cannot be read; see the gateway log") from None
 
 
-def _read(
-    session: Session, now: datetime, serving: Serving, gate_band: tuple[float, float]
-) -> StatusData:
+def _read(session: Session, now: datetime, serving: Serving, signals: SignalSettings) -> StatusData:
     current = repository.current_snapshots(session, now - RECENT_SPAN)
     windows = sorted(map(_window_row, current), key=_window_order)
     history = repository.snapshots_since(session, SERIES_WINDOW, now - SERIES_SPAN)
@@ -162,7 +162,8 @@ def _read(
     return StatusData(
         generated_at=now,
         message=None if windows else NO_SNAPSHOTS,
-        gate_band=gate_band,
+        gate_band=signals.gate_band,
+        spike_silence=signals.spike_silence,
         serving=serving,
         windows=windows,
         series=_series(history),
