@@ -31,12 +31,17 @@ def url(tmp_path_factory: pytest.TempPathFactory, sink: RecordingSink) -> Iterat
         yield base
 
 
-def oai(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+@pytest.fixture
+def oai(url: str) -> Iterator[openai.OpenAI]:
+    """An OpenAI SDK client of the gateway, closed (with its connections) at the end."""
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+        yield client
 
 
-def test_openai_sdk_completion_with_headers_and_telemetry(url: str, sink: RecordingSink) -> None:
-    raw = oai(url).chat.completions.with_raw_response.create(
+def test_openai_sdk_completion_with_headers_and_telemetry(
+    oai: openai.OpenAI, sink: RecordingSink
+) -> None:
+    raw = oai.chat.completions.with_raw_response.create(
         model="tiny",
         messages=[{"role": "user", "content": "Say hi"}],
         max_tokens=8,
@@ -57,8 +62,8 @@ def test_openai_sdk_completion_with_headers_and_telemetry(url: str, sink: Record
     assert len(event.silence_rate_per_layer) == 2
 
 
-def test_openai_sdk_stream_ends_with_usage_and_stats(url: str) -> None:
-    stream = oai(url).chat.completions.create(
+def test_openai_sdk_stream_ends_with_usage_and_stats(oai: openai.OpenAI) -> None:
+    stream = oai.chat.completions.create(
         model="tiny",
         messages=[{"role": "user", "content": "Count"}],
         max_tokens=6,
@@ -76,9 +81,15 @@ def test_openai_sdk_stream_ends_with_usage_and_stats(url: str) -> None:
     assert len(text) > 0
 
 
-def test_anthropic_sdk_message_and_stream(url: str) -> None:
-    client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
-    message = client.messages.create(
+@pytest.fixture
+def claude(url: str) -> Iterator[anthropic.Anthropic]:
+    """An Anthropic SDK client of the gateway, closed (with its connections) at the end."""
+    with anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0) as client:
+        yield client
+
+
+def test_anthropic_sdk_message_and_stream(claude: anthropic.Anthropic) -> None:
+    message = claude.messages.create(
         model="tiny",
         max_tokens=6,
         system=LONG_SYSTEM,
@@ -88,7 +99,7 @@ def test_anthropic_sdk_message_and_stream(url: str) -> None:
     assert message.content[0].type == "text"
     assert message.usage.output_tokens >= 1
     assert "system_prompt>200" in " ".join((message.model_extra or {})["ir_stats"]["policy"])
-    with client.messages.stream(
+    with claude.messages.stream(
         model="tiny", max_tokens=6, messages=[{"role": "user", "content": "Hi"}]
     ) as stream:
         streamed = "".join(stream.text_stream)
@@ -97,11 +108,10 @@ def test_anthropic_sdk_message_and_stream(url: str) -> None:
     assert final.usage.output_tokens >= 1
 
 
-def test_shared_system_prompt_hits_the_prefix_cache(url: str) -> None:
-    client = oai(url)
+def test_shared_system_prompt_hits_the_prefix_cache(oai: openai.OpenAI) -> None:
     hit_rates = []
     for question in ("first?", "second?"):
-        raw = client.chat.completions.with_raw_response.create(
+        raw = oai.chat.completions.with_raw_response.create(
             model="tiny",
             max_tokens=2,
             messages=[
@@ -114,8 +124,8 @@ def test_shared_system_prompt_hits_the_prefix_cache(url: str) -> None:
     assert hit_rates[0] == 0.0 and hit_rates[1] > 0.8
 
 
-def test_models_health_and_metrics(url: str) -> None:
-    models = oai(url).models.list()
+def test_models_health_and_metrics(url: str, oai: openai.OpenAI) -> None:
+    models = oai.models.list()
     assert [m.id for m in models.data] == ["tiny-llama"]
     assert httpx.get(f"{url}/healthz").json() == {"status": "ok"}
     ready = httpx.get(f"{url}/readyz")

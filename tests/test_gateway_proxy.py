@@ -103,12 +103,12 @@ def test_proxy_returns_upstream_answer_with_probe_signals(
 
 
 def test_proxy_streams_through_openai_sdk(gateway: str) -> None:
-    client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0)
-    chunks = list(
-        client.chat.completions.create(
-            model="ok", messages=[{"role": "user", "content": "Q?"}], stream=True
+    with openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0) as client:
+        chunks = list(
+            client.chat.completions.create(
+                model="ok", messages=[{"role": "user", "content": "Q?"}], stream=True
+            )
         )
-    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == "".join(ANSWER)
     assert (chunks[-1].model_extra or {})["ir_stats"]["level"] == "balanced"

@@ -22,8 +22,10 @@ def test_openai_sdk_gets_paris_from_smollm(
 ) -> None:
     engine = Engine(smollm, calibrated_store.latest_plans(smollm.weights_sha256), PrefixCache())
     sink = RecordingSink()
-    with running_gateway(settings_for(tmp_path), engine, sink) as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    with (
+        running_gateway(settings_for(tmp_path), engine, sink) as url,
+        openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client,
+    ):
         raw = client.chat.completions.with_raw_response.create(
             model="SmolLM2-135M-Instruct",
             messages=[{"role": "user", "content": "What is the capital of France?"}],

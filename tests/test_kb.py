@@ -112,7 +112,7 @@ def test_any_text_is_a_valid_query(filled: sessionmaker[Session], query: str) ->
     with filled() as session:
         hits = kb.search(session, query, 2)
     assert len(hits) <= 2
-    assert [hit.score for hit in hits] == sorted((hit.score for hit in hits), reverse=True)
+    assert [hit.rank for hit in hits] == sorted((hit.rank for hit in hits), reverse=True)
     assert {(hit.source, hit.title) for hit in hits} <= {(p.source, p.title) for p in PASSAGES}
     if not kb.query_terms(query):
         assert hits == []
