@@ -34,6 +34,8 @@ def push(
         ) from exc
     except GrafanaException as exc:
         raise ValueError(refusal(exc, public)) from exc
+    finally:
+        api.client.s.close()  # the client never closes its HTTP session itself
 
 
 def ensure_folder(api: GrafanaApi, title: str) -> str:

@@ -52,18 +52,27 @@ def test_default_rules_cover_the_mission_alerts() -> None:
         assert "webhook" in rule.actions
 
 
-def test_default_thresholds_are_the_published_ones() -> None:
-    rules = by_name()
+def test_default_thresholds_come_from_the_signal_settings() -> None:
+    # Values unlike any default: each rule must take its threshold from the settings it is
+    # given, not from a number written in the rules file.
+    signals = SignalSettings(
+        sparsity_target_default=0.41,
+        gate_band=(0.61, 0.83),
+        drift_kl_24h=2.3,
+        cache_hit_min=0.47,
+        gate_uniform_entropy=0.991,
+    )
+    rules = {r.name: r for r in load_rules(DEFAULT_RULES, signals.as_thresholds())}
     sparsity = rules["SparsityBelowTarget"]
     assert (sparsity.window, sparsity.op, sparsity.for_s) == ("5m", "<", 300)
-    assert sparsity.threshold == Relative("sparsity_target", 1.0, 0.60)
+    assert sparsity.threshold == Relative("sparsity_target", 1.0, signals.sparsity_target_default)
     assert sparsity.actions == ("webhook", "recalibrate")
-    assert rules["GateConfidenceOutOfBand"].threshold == (0.75, 0.92)
+    assert rules["GateConfidenceOutOfBand"].threshold == signals.gate_band
     drift = rules["SemanticDriftHigh"]
-    assert (drift.window, drift.threshold) == ("24h", 1.2)
+    assert (drift.window, drift.threshold) == ("24h", signals.drift_kl_24h)
     assert drift.actions == ("webhook", "recalibrate", "flag_finetune")
-    assert rules["PrefixCacheHitRateLow"].threshold == 0.7
-    assert rules["GateDegraded"].threshold == 0.95
+    assert rules["PrefixCacheHitRateLow"].threshold == signals.cache_hit_min
+    assert rules["GateDegraded"].threshold == signals.gate_uniform_entropy
     lag = rules["TelemetryPipelineLag"]
     assert (lag.window, lag.threshold, lag.for_s) == (None, 1000, 120)
     assert rules["TelemetrySpoolGrowing"].for_s == 300

@@ -24,6 +24,7 @@ from services.aggregator.alert_loop import ALERTING_METRICS
 from services.aggregator.metrics import AGGREGATOR_METRICS
 from services.alerting.webhooks import METRICS as WEBHOOK_METRICS
 from services.cli import main
+from services.config import SignalSettings
 from services.gateway.metrics import GATEWAY_METRICS
 from services.shared.serving import free_port, serve
 from tests.test_prometheus_rules import exposed_names
@@ -127,14 +128,14 @@ def steps(p: dict[str, Any]) -> list[float]:
     return [s["value"] for s in p["fieldConfig"]["defaults"]["thresholds"]["steps"][1:]]
 
 
-def test_panels_show_the_published_limits_and_use_the_datasource_variable() -> None:
-    gate = panel("sparseguard-overview", "Gate confidence (healthy band 0.75-0.92)")
-    assert steps(gate)[:2] == [0.75, 0.92]
+def test_committed_panels_show_the_default_signal_limits_and_use_the_datasource_variable() -> None:
+    signals = SignalSettings()  # the committed JSON is drawn with the default settings
+    low, high = signals.gate_band
+    gate = panel("sparseguard-overview", f"Gate confidence (healthy band {low:g}-{high:g})")
+    assert steps(gate)[:2] == [low, high]
     assert gate["fieldConfig"]["defaults"]["custom"]["thresholdsStyle"]["mode"] == "line+area"
-    assert steps(panel("sparseguard-jobs", "Golden-set drift per level (BLEU points)")) == [
-        0.8,
-        1.2,
-    ]
+    drift = panel("sparseguard-jobs", "Golden-set drift per level (BLEU points)")
+    assert steps(drift) == [signals.drift_budget_bleu, signals.drift_recalibrate_bleu]
     heat = panel("sparseguard-silence", "Silence rate per layer (5m window)")
     assert heat["type"] == "status-history"
     assert heat["targets"][0]["legendFormat"] == "layer {{layer}}"

@@ -1,5 +1,5 @@
 """Property tests of the fold (Hypothesis): a brute-force reference over the raw events, order
-independence within lateness, merge of partial states, and histogram quantile bounds."""
+independence within lateness and histogram quantile bounds."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from services.aggregator.summary import WindowSummary
 from services.aggregator.windows import (
     FoldConfig,
     Key,
-    merge,
     snapshot,
 )
 from services.telemetry.schema import (
@@ -179,7 +178,7 @@ def test_bucketed_summary_equals_brute_force(
             )
 
 
-# --- order independence and merge ------------------------------------------------------------
+# --- order independence ------------------------------------------------------------
 
 
 def assert_close(a: Any, b: Any) -> None:
@@ -212,26 +211,6 @@ def test_shuffled_input_within_lateness_gives_the_same_snapshot(
     first, second = fold(events), fold(shuffled)
     assert first.late_dropped == second.late_dropped == 0
     assert_close(as_dicts(snapshot(first, now)), as_dicts(snapshot(second, now)))
-
-
-@settings(max_examples=100, deadline=None)
-@given(events=events_strategy(), picks=st.lists(st.booleans(), min_size=40, max_size=40))
-def test_merge_of_partial_states_equals_one_fold(
-    events: list[TelemetryEvent], picks: list[bool]
-) -> None:
-    config = FoldConfig(lateness_s=1e9)  # no event is late against the other member's watermark
-    part_a = [e for e, pick in zip(events, picks, strict=False) if pick]
-    part_b = [e for e, pick in zip(events, picks, strict=False) if not pick]
-    a, b = fold(part_a, config), fold(part_b, config)
-    now = max((e.time for e in events), default=BASE) + timedelta(seconds=1)
-    before = as_dicts(snapshot(a, now))
-    merged = merge(a, b)
-    whole = fold(events, config)
-    assert (merged.events_applied, merged.late_dropped) == (whole.events_applied, 0)
-    assert_close(as_dicts(snapshot(merged, now)), as_dicts(snapshot(whole, now)))
-    assert_close(as_dicts(snapshot(a, now)), before)  # inputs untouched
-    for key in whole.keys:
-        assert merged.watermark(key) == whole.watermark(key)
 
 
 @given(values=st.lists(st.floats(0, 500_000), min_size=1, max_size=200), split=st.integers(0, 200))

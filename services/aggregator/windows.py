@@ -17,16 +17,14 @@ What one event adds to a bucket is in `buckets`: a silence spike is an event who
 `trust_reasons` carry REASON_SILENCE_SPIKE (the gateway judged it against the signal settings;
 the fold only counts it). Error events count in `requests` and `errors` only. Means skip missing
 and non-finite values and keep their own denominators. Latency and TTFT go into fixed
-log-spaced histograms (`histograms`), so partial states merge exactly: `merge(a, b)` is the
-alternative to owning a partition key outright (each member folds what it gets, a reader adds
-the states up).
+log-spaced histograms (`histograms`), which add up exactly across buckets. Each (model, level)
+key is folded by the one group member that owns its partition.
 """
 
 from __future__ import annotations
 
-import copy
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -95,9 +93,6 @@ class KeyState:
     watermark: float = -math.inf  # epoch seconds of the newest event time seen
     calibration: tuple[float, str] | None = None  # (event time, version) of the latest
 
-    def num_buckets(self) -> dict[str, int]:
-        return {w: sum(b is not None for b in r.slots) for w, r in self.rings.items()}
-
 
 @dataclass(slots=True)
 class State:
@@ -149,45 +144,6 @@ def _apply_one(state: State, event: TelemetryEvent) -> None:
         if bucket is not None:
             bucket.add(obs)
     state.events_applied += 1
-
-
-def drop_keys(state: State, keep: Callable[[Key], bool]) -> None:
-    """Forget the keys this member no longer owns (after a consumer-group rebalance)."""
-    for key in [k for k in state.keys if not keep(k)]:
-        del state.keys[key]
-
-
-def merge(a: State, b: State) -> State:
-    """A new state holding both partial states (inputs untouched). Equals folding both event
-    streams into one state when no event of one would have been late against the other's
-    watermark. The alternative to partition-key ownership: members fold, a reader merges."""
-    if a.config != b.config:
-        raise ValueError("merge needs states built with the same FoldConfig")
-    out = copy.deepcopy(a)
-    out.events_applied += b.events_applied
-    out.late_dropped += b.late_dropped
-    for key, theirs in b.keys.items():
-        mine = out.keys.get(key)
-        if mine is None:
-            out.keys[key] = copy.deepcopy(theirs)
-        else:
-            _merge_key(mine, theirs)
-    return out
-
-
-def _merge_key(mine: KeyState, theirs: KeyState) -> None:
-    mine.watermark = max(mine.watermark, theirs.watermark)
-    if theirs.calibration is not None:
-        mine.calibration = max(mine.calibration or theirs.calibration, theirs.calibration)
-    for window, ring in mine.rings.items():
-        for slot, other in enumerate(theirs.rings[window].slots):
-            bucket = ring.slots[slot]
-            if other is None or (bucket is not None and bucket.index > other.index):
-                continue
-            if bucket is not None and bucket.index == other.index:
-                bucket.merge(other)
-            else:
-                ring.slots[slot] = copy.deepcopy(other)
 
 
 def snapshot(

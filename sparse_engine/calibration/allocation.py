@@ -38,10 +38,9 @@ def uniform_targets(
 def error_curves(
     stats: ActivationStats, layers: list[LayerParts], roles: tuple[str, ...]
 ) -> dict[Unit, list[float]]:
-    """Output error of each unit's projection on its reservoir rows at every sparsity of GRID,
-    per token and relative to the power of the residual stream it is added into: errors of
-    different layers are then comparable (a layer-relative error is not, and misleads the
-    greedy allocation toward layers with huge outlier activations)."""
+    """Output error of each unit's projection on its reservoir rows at every sparsity of GRID:
+    the squared error of the projection's output per reservoir row (token), in the units of
+    the residual stream it is added into, so errors of different layers add up directly."""
     curves = {}
     with torch.inference_mode():
         for part in layers:

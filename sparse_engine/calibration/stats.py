@@ -27,12 +27,7 @@ class UnitStats:
 @dataclass(slots=True)
 class ActivationStats:
     units: dict[Unit, UnitStats] = field(default_factory=dict)
-    residual_sq: dict[int, float] = field(default_factory=dict)  # per layer, sum of ||h||^2
     num_tokens: int = 0
-
-    def residual_power(self, layer: int) -> float:
-        """Mean squared norm per token of the residual stream leaving `layer`."""
-        return self.residual_sq[layer] / max(self.num_tokens, 1)
 
     def histogram(self, role: str, layer: int) -> torch.Tensor:
         return self.units[(role, layer)].histogram
@@ -56,7 +51,6 @@ def collect_stats(
         for role in roles:
             hook = _stats_hook(stats, (role, part.index), max_rows, generator)
             handles.append(part.get(role).register_forward_pre_hook(hook))
-        handles.append(part.get("block").register_forward_hook(_residual_hook(stats, part.index)))
     try:
         with torch.inference_mode():
             for ids in batches:
@@ -104,15 +98,6 @@ def _stats_hook(
             )
         unit.histogram += log_bins(rows)
         _reservoir_add(unit, rows, max_rows, generator)
-
-    return hook
-
-
-def _residual_hook(stats: ActivationStats, layer: int) -> Any:
-    def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        hidden = output[0] if isinstance(output, tuple) else output
-        power = float(hidden.detach().float().pow(2).sum())
-        stats.residual_sq[layer] = stats.residual_sq.get(layer, 0.0) + power
 
     return hook
 
