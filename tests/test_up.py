@@ -92,6 +92,8 @@ def test_up_runs_the_stack_restarts_a_crashed_child_and_stops_cleanly(
     finally:
         up.send_signal(signal.SIGINT)  # Ctrl-C
         code = up.wait(60)
+        out.close()
+        err.close()
     assert code == 0
     assert "stopped; nothing left running" in (tmp_path / "up.out").read_text()
     assert [pid for pid in children if alive(pid)] == []

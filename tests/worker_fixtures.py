@@ -59,6 +59,7 @@ class Process:
         if self.alive():
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
+        self._out.close()
 
     def stop(self, timeout_s: float = 20.0) -> None:
         if self.alive():

@@ -55,6 +55,11 @@ class RedisLock:
     def release(self) -> None:
         self.client.eval(self.RELEASE, 1, self.key, self.token)
 
+    def holder(self) -> str | None:
+        """The token of the beat holding the lock (docker-compose's beat health check)."""
+        value = self.client.get(self.key)
+        return value.decode() if isinstance(value, bytes) else None
+
 
 class FileLock:
     """An exclusive flock: the kernel releases it when the holder dies."""
