@@ -9,6 +9,7 @@ import yaml
 
 from alerts.definitions import (
     ACTIONS,
+    BASELINE_SIGNALS,
     OPS,
     PIPELINE_METRICS,
     RESERVED_LABELS,
@@ -16,6 +17,7 @@ from alerts.definitions import (
     WINDOW_METRICS,
     WINDOWS,
     Band,
+    Deviation,
     Op,
     Relative,
     Severity,
@@ -27,6 +29,8 @@ from alerts.templates import check_template
 from alerts.yaml_nodes import Entry, Reader
 
 RELATIVE_KEYS = ("relative_to", "factor", "default")
+BASELINE_KEY = "baseline"
+DEVIATION_KEYS = (BASELINE_KEY, "z", "count")
 SIGNAL_KEY = "signal"
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -80,6 +84,8 @@ def read_threshold(
     what: str,
     signals: Signals | None,
 ) -> Threshold:
+    if _has_key(node, BASELINE_KEY):
+        return _deviation(reader, node, window, what, signals)
     if op == "outside":
         if _names_signal(node):
             return _signal_band(reader, node, what, signals)
@@ -107,9 +113,41 @@ def _number(reader: Reader, node: yaml.Node, what: str, signals: Signals | None)
 
 
 def _names_signal(node: yaml.Node) -> bool:
+    return _has_key(node, SIGNAL_KEY)
+
+
+def _has_key(node: yaml.Node, name: str) -> bool:
     return isinstance(node, yaml.MappingNode) and any(
-        isinstance(key, yaml.ScalarNode) and key.value == SIGNAL_KEY for key, _ in node.value
+        isinstance(key, yaml.ScalarNode) and key.value == name for key, _ in node.value
     )
+
+
+def _deviation(
+    reader: Reader, node: yaml.Node, window: str | None, what: str, signals: Signals | None
+) -> Deviation:
+    """`{baseline: NAME, z: NUMBER | {signal: NAME}, count: METRIC}`."""
+    where = f"{what} 'threshold'"
+    entries = reader.mapping(node, where)
+    reader.reject_unknown(entries, DEVIATION_KEYS, where)
+    name_node = entries[BASELINE_KEY][1]
+    name = reader.string(name_node, f"{where} {BASELINE_KEY!r}")
+    if window is None or name not in BASELINE_SIGNALS:
+        raise reader.error(
+            name_node,
+            f"{what}: unknown baseline {name!r} (needs a window rule and one of"
+            f" {', '.join(BASELINE_SIGNALS)})",
+        )
+    if "z" not in entries:
+        raise reader.error(node, f"{where}: missing field 'z' (standard errors, or a signal)")
+    z = _number(reader, entries["z"][1], f"{where} 'z'", signals)
+    if z < 0:
+        raise reader.error(entries["z"][1], f"{where}: 'z' must be >= 0, got {z}")
+    count = "requests"
+    if "count" in entries:
+        count = reader.string(entries["count"][1], f"{where} 'count'")
+        if count not in WINDOW_METRICS:
+            raise reader.error(entries["count"][1], f"{what}: unknown count metric {count!r}")
+    return Deviation(signal=name, z=z, count=count)
 
 
 def _signal(

@@ -7,7 +7,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from alerts.definitions import PIPELINE_METRICS, WINDOW_METRICS
+from alerts.definitions import BASELINE_PARTS, PIPELINE_METRICS, WINDOW_METRICS
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,15 +22,28 @@ def samples_from_windows(
     snapshot: Mapping[tuple[str, str], Mapping[str, object]],
 ) -> list[Sample]:
     """One sample per (model, level, window) of a window snapshot (the aggregator's
-    `WindowSummary` objects), with their numeric `WINDOW_METRICS` attributes."""
+    `WindowSummary` objects), with their numeric `WINDOW_METRICS` attributes and, from their
+    `references` (name -> an object with `center`, `spread`, `tolerance`), the values a
+    `Deviation` threshold reads (`baseline_<name>_<part>`)."""
     return [
         Sample(
             labels={"model": model, "level": level, "window": window},
-            values={name: _number(getattr(summary, name)) for name in WINDOW_METRICS},
+            values={
+                **{name: _number(getattr(summary, name)) for name in WINDOW_METRICS},
+                **_reference_values(getattr(summary, "references", {})),
+            },
         )
         for (model, level), by_window in snapshot.items()
         for window, summary in by_window.items()
     ]
+
+
+def _reference_values(refs: Mapping[str, object]) -> dict[str, float | None]:
+    return {
+        f"baseline_{name}_{part}": _number(getattr(ref, part, None))
+        for name, ref in refs.items()
+        for part in BASELINE_PARTS
+    }
 
 
 def pipeline_sample(metric: str, value: float | None, **labels: str) -> Sample:

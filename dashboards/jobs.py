@@ -15,25 +15,28 @@ FLAGS = select("sparseguard_model_flag", 'model=~"$model"')
 def jobs(signals: SignalSettings | None = None) -> Dashboard:
     """The dashboard with `signals`' drift budgets (default: the published ones)."""
     signals = signals or SignalSettings()
-    budget, limit = signals.drift_budget_bleu, signals.drift_recalibrate_bleu
+    budget, limit = signals.drift_budget, signals.drift_recalibrate
     return Dashboard(
         uid="sparseguard-jobs",
         title="SparseGuard / Jobs",
         description="Golden-set drift checks, recalibration jobs and model flags.",
         items=(
             Panel(
-                "Golden-set drift per level (BLEU points)",
+                "Golden-set drift per level (points)",
                 (
+                    Target(select("sparseguard_golden_drift_points"), "{{model}} {{level}} latest"),
                     Target(
-                        select("sparseguard_golden_drift_bleu_points"), "{{model}} {{level}} latest"
+                        select("sparseguard_golden_drift_low_points"), "{{model}} {{level}} low"
                     ),
                     Target(
-                        select("sparseguard_golden_drift_bleu_24h_points"),
-                        "{{model}} {{level}} 24h",
+                        select("sparseguard_golden_drift_low_24h_points"),
+                        "{{model}} {{level}} low 24h",
                     ),
                 ),
-                description=f"BLEU(dense) - BLEU(sparse) on the golden set: budget {budget:g} per "
-                f"check; a 24 h mean above {limit:g} queues a recalibration.",
+                description="Mean score(dense) - score(sparse) on the golden set (token F1 or "
+                f"chrF against external references) and its 95 % interval's lower bound: over "
+                f"budget when the low bound passes {budget:g}; a 24 h mean of low bounds above "
+                f"{limit:g} queues a recalibration.",
                 width=18,
                 steps=((budget, "orange"), (limit, "red")),
                 show_thresholds="line",

@@ -3,6 +3,7 @@ nested sections with `__`, e.g. SPARSEGUARD_ENGINE__MODEL, SPARSEGUARD_SIGNALS__
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,6 +31,11 @@ class EngineSettings(BaseModel):
     # float32 gives the reference's tokens; bfloat16 and int8 read 2x and 4x fewer bytes.
     fast_path: Literal["off", "float32", "bfloat16", "int8"] = "float32"
     fast_path_max_len: int = Field(2048, ge=16, description="tokens the fast path's KV cache holds")
+    # The baseline pass that ends every calibration: healthy prompts per level (and dense),
+    # of these kinds (sparse_engine.data.traffic), answered greedily to this many tokens.
+    baseline_requests: int = Field(120, ge=10)
+    baseline_max_new_tokens: int = Field(16, ge=1)
+    baseline_kinds: list[str] = Field(default_factory=lambda: ["chat", "qa", "code", "prose"])
 
 
 class GatewaySettings(BaseModel):
@@ -102,27 +108,32 @@ class AlertSettings(BaseModel):
     backoff_max_s: float = Field(300.0, gt=0)
 
 
-# Thresholds that moved from the trust and jobs sections to SignalSettings.
-MOVED_TO_SIGNALS = frozenset(
-    {
-        "spike_silence",
-        "spike_z",
-        "gate_uniform_entropy",
-        "monotonous_confidence",
-        "drift_budget_bleu",
-        "drift_recalibrate_bleu",
-    }
-)
+# Thresholds that moved to SignalSettings from the trust and jobs sections: old name -> name
+# there. The golden drift budgets were renamed when their unit changed (points of the per-item
+# metric against external references, no longer corpus BLEU against dense answers).
+MOVED_TO_SIGNALS = {
+    **{n: n for n in ("spike_silence", "spike_z", "gate_uniform_entropy", "monotonous_confidence")},
+    "drift_budget_bleu": "drift_budget",
+    "drift_recalibrate_bleu": "drift_recalibrate",
+}
+RENAMED_SIGNALS = frozenset(old for old, new in MOVED_TO_SIGNALS.items() if old != new)
 
 
-def refuse_moved(data: Any) -> Any:
-    """Refuse a moved threshold under its old section (SPARSEGUARD_TRUST__SPIKE_SILENCE):
-    unknown keys are ignored, so it would otherwise be dropped without a word."""
-    moved = sorted(set(data) & MOVED_TO_SIGNALS) if isinstance(data, dict) else []
+def refuse_moved(data: Any, names: Iterable[str] = MOVED_TO_SIGNALS) -> Any:
+    """Refuse a moved threshold under its old section (SPARSEGUARD_TRUST__SPIKE_SILENCE) or
+    name: unknown keys are ignored, so it would otherwise be dropped without a word."""
+    moved = sorted(set(data) & set(names)) if isinstance(data, dict) else []
     if moved:
-        names = ", ".join(f"SPARSEGUARD_SIGNALS__{name.upper()}" for name in moved)
-        raise ValueError(f"{', '.join(moved)} moved to the signals section: set {names}")
+        new = ", ".join(f"SPARSEGUARD_SIGNALS__{MOVED_TO_SIGNALS[n].upper()}" for n in moved)
+        why = "moved or was renamed (golden drift is in points of its metric, no longer BLEU)"
+        why = why if RENAMED_SIGNALS & set(moved) else "moved to the signals section"
+        raise ValueError(f"{', '.join(moved)} {why}: set {new}")
     return data
+
+
+def refuse_renamed(data: Any) -> Any:
+    """Refuse a signal under its old name (SPARSEGUARD_SIGNALS__DRIFT_BUDGET_BLEU)."""
+    return refuse_moved(data, RENAMED_SIGNALS)
 
 
 class JobSettings(BaseModel):
@@ -145,7 +156,8 @@ class JobSettings(BaseModel):
     redispatch_interval_s: float = Field(60.0, gt=0)  # re-send jobs whose message was lost
     redispatch_after_s: float = Field(300.0, gt=0)
     beat_lock_ttl_s: float = Field(30.0, gt=1)
-    # Golden set: JSONL of {"id", "prompt", "reference"}; default: packaged MT-Bench.
+    # Golden set: JSONL of {"id", "prompt", "reference", "metric"}; default: MT-Bench questions
+    # with GPT-4 references and HaluEval questions with gold answers (packaged data).
     golden_set: Path | None = None
     golden_max_new_tokens: int = Field(64, ge=1)
     golden_levels: list[str] = Field(
@@ -158,12 +170,16 @@ class JobSettings(BaseModel):
 
 Band = tuple[float, float]
 Threshold = float | Band
+DRIFT_BUDGET = 3.0  # placeholder until measured
+DRIFT_RECALIBRATE = 5.0
 
 
 class SignalSettings(BaseModel):
     """Every signal threshold and band (the published defaults), read by the gateway's trust
     reasons, the aggregator's fold, the alert rules, the dashboards and the golden-set check,
     so that changing one here moves all of them (SPARSEGUARD_SIGNALS__SPIKE_SILENCE=0.85)."""
+
+    _renamed = model_validator(mode="before")(refuse_renamed)
 
     late_band: int = Field(3, ge=1)  # last layers whose mean silence is the spike signal
     spike_silence: float = Field(0.80, ge=0.0, le=1.0)  # late-band silence above this: a spike
@@ -174,8 +190,20 @@ class SignalSettings(BaseModel):
     sparsity_target_default: float = Field(0.60, ge=0.0, le=1.0)  # when no target is known
     drift_kl_24h: float = Field(1.2, ge=0.0)  # 24 h mean KL(dense || sparse) above this alerts
     cache_hit_min: float = Field(0.7, ge=0.0, le=1.0)  # prefix cache hit rate below this alerts
-    drift_budget_bleu: float = Field(0.8, ge=0.0)  # golden-set BLEU drift budget per check
-    drift_recalibrate_bleu: float = Field(1.2, ge=0.0)  # 24 h mean above this: recalibrate
+    # Tests against the calibration's healthy baseline (the numbers above are the fallbacks
+    # where none exists): each per-request reason fires on at most this share of healthy
+    # requests (a conformal p-value below it) ...
+    reason_budget: float = Field(0.01, gt=0.0, lt=1.0)
+    # ... and a window alert needs its mean beyond the baseline's tolerance by this many
+    # standard errors of a mean of the window's n requests (one-sided).
+    alert_z: float = Field(4.0, gt=0.0)
+    spike_share_effect: float = Field(0.04, ge=0.0, le=1.0)  # spike share over the budget
+    cache_drop_effect: float = Field(0.10, ge=0.0, le=1.0)  # hit-rate drop vs trailing 24 h
+    # Golden-set drift, in points (0-100) of the per-item metric (token F1 or chrF): a check is
+    # over budget when its 95 % interval's lower bound is above drift_budget; a 24 h mean of
+    # lower bounds above drift_recalibrate queues a recalibration. Measured: README.
+    drift_budget: float = Field(DRIFT_BUDGET, ge=0.0)
+    drift_recalibrate: float = Field(DRIFT_RECALIBRATE, ge=0.0)
 
     @field_validator("gate_band")
     @classmethod
@@ -204,6 +232,10 @@ class TrustSettings(BaseModel):
     # Below this score (the trust model's probability that the answer is right) trust is low.
     # On held-out HaluEval, 0.3 flagged 17 % of answers, right half as often as the rest.
     min_score: float = Field(0.3, ge=0.0, le=1.0)
+    # The fallback above; a trust model scored on healthy chat at fit time flags instead below
+    # the score that this share of those healthy answers fall under.
+    flag_budget: float = Field(0.05, gt=0.0, lt=1.0)
+    flag_requests: int = Field(100, ge=1)  # healthy chat answers scored for that threshold
     baseline_span: int = Field(200, ge=2)  # requests in the rolling baseline's EWMA
     baseline_min_requests: int = Field(30, ge=1)  # before this, no deviation is judged
     # Reasons that trigger the action; any other reason is reported only.
@@ -252,7 +284,8 @@ class Settings(BaseSettings):
 
     @property
     def golden_set_path(self) -> Path:
-        return self.jobs.golden_set or self.home / "golden" / "mt-bench.jsonl"
+        # Not the old mt-bench.jsonl, whose references were partly dense-model answers.
+        return self.jobs.golden_set or self.home / "golden" / "external-v1.jsonl"
 
     @property
     def trust_dir(self) -> Path:

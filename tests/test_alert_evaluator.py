@@ -186,7 +186,14 @@ def sparsity(value: float, target: float | None) -> Sample:
 def test_relative_threshold_uses_the_target_else_the_default(
     value: float, target: float | None, fires: bool
 ) -> None:
-    rule = default_rule("SparsityBelowTarget", for_s=0)
+    rule = Rule(
+        "SparsityBelowTarget",
+        "sparsity_mean",
+        "5m",
+        "<",
+        Relative("sparsity_target", 1.0, 0.6),
+        min_requests=20,
+    )
     _, transitions = run([rule], [(0, [sparsity(value, target)])])
     assert [t.state for t in transitions] == (["firing"] if fires else [])
 

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from alerts.definitions import WINDOW_METRICS
+from alerts.definitions import WINDOW_METRICS, Deviation
 from alerts.durations import format_duration, parse_duration
-from alerts.rules import DEFAULT_RULES, Relative, Rule, RuleError, load_rules, parse_rules
+from alerts.rules import DEFAULT_RULES, Rule, RuleError, load_rules, parse_rules
 from alerts.templates import render_all
 from services.aggregator.summary import WindowSummary
 from services.config import SignalSettings
@@ -54,29 +54,47 @@ def test_default_rules_cover_the_mission_alerts() -> None:
 
 def test_default_thresholds_come_from_the_signal_settings() -> None:
     # Values unlike any default: each rule must take its threshold from the settings it is
-    # given, not from a number written in the rules file.
-    signals = SignalSettings(
-        sparsity_target_default=0.41,
-        gate_band=(0.61, 0.83),
-        drift_kl_24h=2.3,
-        cache_hit_min=0.47,
-        gate_uniform_entropy=0.991,
-    )
+    # given, not from a number written in the rules file. Window rules test against the
+    # baseline with alert_z standard errors (the published numbers are the references'
+    # fallback: tests/test_baselines.py).
+    signals = SignalSettings(alert_z=2.7)
     rules = {r.name: r for r in load_rules(DEFAULT_RULES, signals.as_thresholds())}
     sparsity = rules["SparsityBelowTarget"]
     assert (sparsity.window, sparsity.op, sparsity.for_s) == ("5m", "<", 300)
-    assert sparsity.threshold == Relative("sparsity_target", 1.0, signals.sparsity_target_default)
+    assert sparsity.threshold == Deviation("sparsity", 2.7)
     assert sparsity.actions == ("webhook", "recalibrate")
-    assert rules["GateConfidenceOutOfBand"].threshold == signals.gate_band
+    assert rules["GateConfidenceOutOfBand"].threshold == Deviation("gate_confidence", 2.7)
+    assert rules["GateConfidenceOutOfBand"].op == "outside"
     drift = rules["SemanticDriftHigh"]
-    assert (drift.window, drift.threshold) == ("24h", signals.drift_kl_24h)
+    assert (drift.window, drift.threshold) == ("24h", Deviation("drift_kl", 2.7, "drift_samples"))
     assert drift.actions == ("webhook", "recalibrate", "flag_finetune")
-    assert rules["PrefixCacheHitRateLow"].threshold == signals.cache_hit_min
-    assert rules["GateDegraded"].threshold == signals.gate_uniform_entropy
+    assert rules["PrefixCacheHitRateLow"].threshold == Deviation("cache_hit", 2.7)
+    assert rules["GateDegraded"].threshold == Deviation("gate_entropy", 2.7)
+    assert rules["SilenceSpikes"].threshold == Deviation("silence_spike", 2.7)
     lag = rules["TelemetryPipelineLag"]
     assert (lag.window, lag.threshold, lag.for_s) == (None, 1000, 120)
     assert rules["TelemetrySpoolGrowing"].for_s == 300
     assert rules["GoldenCheckMissed"].threshold == 26 * 3600
+
+
+def test_deviation_threshold_errors_name_the_fix() -> None:
+    def parse(threshold: str) -> None:
+        parse_rules(rule_with(threshold=f"threshold: {threshold}"), "r.yaml", {"z": 3.0})
+
+    with pytest.raises(RuleError, match="unknown baseline 'nope'"):
+        parse("{baseline: nope, z: 3}")
+    with pytest.raises(RuleError, match="missing field 'z'"):
+        parse("{baseline: sparsity}")
+    with pytest.raises(RuleError, match="'z' must be >= 0"):
+        parse("{baseline: sparsity, z: -1}")
+    with pytest.raises(RuleError, match="unknown count metric 'nope'"):
+        parse("{baseline: sparsity, z: 3, count: nope}")
+    with pytest.raises(RuleError, match="unknown key 'extra'"):
+        parse("{baseline: sparsity, z: 3, extra: 1}")
+    rule = parse_rules(
+        rule_with(threshold="threshold: {baseline: sparsity, z: {signal: z}}"), "r.yaml", {"z": 3.0}
+    )[0]
+    assert rule.threshold == Deviation("sparsity", 3.0)
 
 
 def test_window_metrics_are_numeric_window_summary_fields() -> None:
@@ -108,7 +126,7 @@ def test_annotations_render_like_prometheus() -> None:
     rule = by_name()["SparsityBelowTarget"]
     rendered = render_all(rule.annotations, {"model": "m", "level": "balanced"}, 0.65)
     assert rendered["summary"] == "Sparsity below target on m (balanced)"
-    assert rendered["description"].startswith("5-minute mean sparsity is 0.650, below")
+    assert rendered["description"].startswith("5-minute mean sparsity is 0.650, significantly")
     lag = by_name()["TelemetryPipelineLag"]
     assert "5000 events" in render_all(lag.annotations, {}, 5000.0)["description"]
 

@@ -134,8 +134,8 @@ def test_committed_panels_show_the_default_signal_limits_and_use_the_datasource_
     gate = panel("sparseguard-overview", f"Gate confidence (healthy band {low:g}-{high:g})")
     assert steps(gate)[:2] == [low, high]
     assert gate["fieldConfig"]["defaults"]["custom"]["thresholdsStyle"]["mode"] == "line+area"
-    drift = panel("sparseguard-jobs", "Golden-set drift per level (BLEU points)")
-    assert steps(drift) == [signals.drift_budget_bleu, signals.drift_recalibrate_bleu]
+    drift = panel("sparseguard-jobs", "Golden-set drift per level (points)")
+    assert steps(drift) == [signals.drift_budget, signals.drift_recalibrate]
     heat = panel("sparseguard-silence", "Silence rate per layer (5m window)")
     assert heat["type"] == "status-history"
     assert heat["targets"][0]["legendFormat"] == "layer {{layer}}"

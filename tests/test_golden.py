@@ -1,6 +1,7 @@
-"""The golden-set drift check: the JSONL file and its errors, BLEU drift arithmetic, freezing
-and checking on the tiny engine, the stored runs on a real SQLite database, the default
-MT-Bench set from the packaged data, and the CLI and the check on the real SmolLM2 (slow)."""
+"""The golden-set drift check: the JSONL file (with its per-item metric) and its errors, the
+per-item scores, the paired bootstrap and the status it gives, freezing and checking on the
+tiny engine, the stored runs and the 0004 migration on a real SQLite database, and the CLI.
+The real SmolLM2 and the packaged data: tests/test_golden_real.py (slow)."""
 
 from __future__ import annotations
 
@@ -10,18 +11,19 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
+from alembic import command
 from hypothesis import given
 from hypothesis import strategies as st
 
 from services.cli import main
 from services.config import JobSettings, Settings
-from services.storage.db import make_engine, session_factory, upgrade
-from services.storage.models import GoldenRun
-from services.workers import golden, golden_set
+from services.storage.db import alembic_config, make_engine, session_factory, upgrade
+from services.storage.models import GOLDEN_STATUSES, GoldenRun
+from services.workers import golden, golden_default, golden_score, golden_set
+from services.workers.golden_score import INCONCLUSIVE, OK, OVER_BUDGET, paired_bootstrap
 from services.workers.golden_set import GoldenItem
-from sparse_engine.calibration.store import CalibrationStore
-from sparse_engine.data.corpora import MTBenchQuestion, mtbench_questions, mtbench_references
-from sparse_engine.model.loader import LoadedModel
+from sparse_engine.data.corpora import HaluEvalItem, MTBenchQuestion
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.sparsity.plan import Level
 from tests.tiny import tiny_engine
@@ -33,10 +35,13 @@ SENTENCES = [
     "Sparse models skip work that would multiply by zero .",
     "Calibration picks one threshold for every layer of the model .",
 ]
+BUDGET = 2.0
 
 
-def items_for(references: list[str]) -> list[GoldenItem]:
-    return [GoldenItem(f"q{i}", f"prompt {i}", ref, "test") for i, ref in enumerate(references)]
+def items_for(references: list[str], metric: str = "chrf") -> list[GoldenItem]:
+    return [
+        GoldenItem(f"q{i}", f"prompt {i}", ref, "test", metric) for i, ref in enumerate(references)
+    ]
 
 
 # --- the file ---------------------------------------------------------------------------------
@@ -45,11 +50,13 @@ def items_for(references: list[str]) -> list[GoldenItem]:
 def test_golden_file_round_trips_atomically(tmp_path: Path) -> None:
     path = tmp_path / "golden" / "set.jsonl"
     items = [
-        GoldenItem("1", "Say it in French.", "déjà vu — café", "gpt-4"),
-        GoldenItem("two", "Say nothing.", "", "dense:tiny-llama"),
+        GoldenItem("1", "Say it in French.", "déjà vu — café", "gpt-4", "chrf"),
+        GoldenItem("two", "Say nothing.", "", "dense:tiny-llama", "bleu"),
+        GoldenItem("3", "Capital of France?", "Paris", "halueval", "f1"),
     ]
     golden_set.write_golden(path, items)
     assert golden_set.load_golden(path) == items
+    assert json.loads(path.read_text().splitlines()[2])["metric"] == "f1"
     assert [p.name for p in path.parent.iterdir()] == ["set.jsonl"]  # no temp file left
 
 
@@ -64,10 +71,19 @@ def test_failed_write_leaves_the_old_file(tmp_path: Path) -> None:
         golden_set.write_golden(path, [])
 
 
-def test_source_is_optional_and_ids_may_be_integers(tmp_path: Path) -> None:
+def test_files_from_before_the_metric_field_still_load(tmp_path: Path) -> None:
     path = tmp_path / "set.jsonl"
-    path.write_text('{"id": 81, "prompt": "p", "reference": "r"}\n\n')
-    assert golden_set.load_golden(path) == [GoldenItem("81", "p", "r", "unknown")]
+    long = "A frozen dense answer that goes on for well over eight words like they do."
+    rows = [
+        {"id": 81, "prompt": "p", "reference": "Paris"},
+        {"id": "d", "prompt": "p", "reference": long, "source": "dense:m"},
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows) + "\n")
+    assert golden_set.load_golden(path) == [
+        GoldenItem("81", "p", "Paris", "unknown", "f1"),  # a few words: a short answer
+        GoldenItem("d", "p", long, "dense:m", "chrf"),
+    ]
+    assert GoldenItem("x", "p", "Paris") == GoldenItem("x", "p", "Paris", metric="f1")
 
 
 @pytest.mark.parametrize(
@@ -78,6 +94,11 @@ def test_source_is_optional_and_ids_may_be_integers(tmp_path: Path) -> None:
         (['{"id": "a", "prompt": " ", "reference": "r"}'], r':1: "prompt" must be'),
         (['["a", "p", "r"]'], r":1: expected a JSON object, got list"),
         (['{"id": true, "prompt": "p", "reference": "r"}'], r':1: "id" must be'),
+        (
+            ['{"id": "a", "prompt": "p", "reference": "r", "metric": "rouge"}'],
+            r':1: "metric" must be one of f1, chrf, bleu, got \'rouge\'',
+        ),
+        (['{"id": "a", "prompt": "p", "reference": "r", "metric": 3}'], r':1: "metric" must'),
         (
             ['{"id": "a", "prompt": "p", "reference": "r"}'] * 2,
             r"set\.jsonl: duplicate id 'a'",
@@ -91,6 +112,11 @@ def test_bad_golden_files_name_file_and_line(tmp_path: Path, lines: list[str], e
     with pytest.raises(ValueError, match=error) as info:
         golden_set.load_golden(path)
     assert str(path) in str(info.value)
+
+
+def test_an_item_with_an_unknown_metric_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown metric 'rouge'; choose one of: f1, chrf"):
+        GoldenItem("a", "p", "r", metric="rouge")
 
 
 def test_read_prompts_from_text_and_jsonl(tmp_path: Path) -> None:
@@ -113,58 +139,129 @@ def test_read_prompts_from_text_and_jsonl(tmp_path: Path) -> None:
         golden_set.read_prompts(tmp_path / "blank.txt")
 
 
-# --- BLEU drift ----------------------------------------------------------------------------
+# --- per-item scores ---------------------------------------------------------------------------
+
+
+def test_every_file_metric_has_a_scorer_and_every_status_a_column_value() -> None:
+    assert tuple(golden_score.SCORERS) == golden_set.METRICS
+    assert golden_score.STATUSES == GOLDEN_STATUSES == (OK, INCONCLUSIVE, OVER_BUDGET)
+
+
+def test_token_f1_uses_squad_normalisation_in_points() -> None:
+    assert golden_score.score("f1", "The Eiffel Tower!", "eiffel tower") == 100.0
+    # 1 of 2 predicted tokens right, 1 of 1 gold: P 1/2, R 1, F1 2/3.
+    assert golden_score.score("f1", "Paris France", "paris") == pytest.approx(200 / 3)
+    assert golden_score.score("f1", "London", "Paris") == 0.0
+    assert golden_score.score("f1", "", "Paris") == 0.0
+
+
+def test_chrf_and_bleu_score_sentences_in_points() -> None:
+    reference = "Sparse models skip work that would multiply by zero."
+    for metric in ("chrf", "bleu"):
+        assert golden_score.score(metric, reference, reference) == pytest.approx(100.0)
+        near = golden_score.score(metric, "Sparse models skip work.", reference)
+        far = golden_score.score(metric, "Bananas are yellow.", reference)
+        assert 100.0 > near > far >= 0.0
+    with pytest.raises(ValueError, match="unknown golden metric 'rouge'"):
+        golden_score.score("rouge", "a", "b")
+
+
+# --- the paired bootstrap and the status ----------------------------------------------------------
+
+scores = st.floats(min_value=0.0, max_value=100.0, allow_nan=False)
+
+
+@given(st.lists(scores, min_size=1, max_size=40))
+def test_identical_answers_give_zero_drift_and_ok(values: list[float]) -> None:
+    interval = paired_bootstrap([v - v for v in values])
+    assert (interval.mean, interval.low, interval.high) == (0.0, 0.0, 0.0)
+    assert golden_score.drift_status(interval.low, interval.high, 0.0) == OK
+
+
+@given(st.lists(scores, min_size=1, max_size=40), st.floats(min_value=BUDGET + 0.1, max_value=90))
+def test_a_constant_shift_over_the_budget_is_over_budget(values: list[float], shift: float) -> None:
+    interval = paired_bootstrap([shift] * len(values))
+    assert interval.low == pytest.approx(shift) and interval.high == pytest.approx(shift)
+    assert golden_score.drift_status(interval.low, interval.high, BUDGET) == OVER_BUDGET
+
+
+@given(st.lists(st.floats(min_value=-100, max_value=100), min_size=1, max_size=30))
+def test_the_interval_holds_the_mean_and_is_seeded(differences: list[float]) -> None:
+    interval = paired_bootstrap(differences)
+    assert interval.low <= interval.mean <= interval.high
+    assert min(differences) - 1e-9 <= interval.low and interval.high <= max(differences) + 1e-9
+    assert paired_bootstrap(differences) == interval
+
+
+def test_few_noisy_items_are_inconclusive() -> None:
+    interval = paired_bootstrap([40.0, -30.0, 10.0, -15.0, 5.0])
+    assert interval.low < BUDGET < interval.high
+    assert golden_score.drift_status(interval.low, interval.high, BUDGET) == INCONCLUSIVE
+    # The same mean over many items is narrow enough to decide.
+    many = paired_bootstrap([2.0 + (-1) ** i * 0.5 for i in range(200)])
+    assert golden_score.drift_status(many.low, many.high, 5.0) == OK
+    assert golden_score.drift_status(many.low, many.high, 1.0) == OVER_BUDGET
+
+
+def test_status_edges() -> None:
+    assert golden_score.drift_status(0.0, BUDGET, BUDGET) == OK  # at the budget is ok
+    assert golden_score.drift_status(BUDGET, 9.0, BUDGET) == INCONCLUSIVE
+    assert golden_score.drift_status(BUDGET + 0.01, 9.0, BUDGET) == OVER_BUDGET
+
+
+@pytest.mark.parametrize(
+    ("differences", "kwargs", "error"),
+    [
+        ([], {}, "at least one paired difference"),
+        ([1.0, math.nan], {}, "must be finite"),
+        ([1.0], {"resamples": 0}, "resamples >= 1"),
+        ([1.0], {"confidence": 1.0}, "0 < confidence < 1"),
+    ],
+)
+def test_bad_bootstrap_input_is_refused(
+    differences: list[float], kwargs: dict[str, float], error: str
+) -> None:
+    with pytest.raises(ValueError, match=error):
+        paired_bootstrap(differences, **kwargs)  # type: ignore[arg-type]
+
+
+# --- one level's drift -------------------------------------------------------------------------
 
 
 def test_same_answers_have_no_drift_and_changed_ones_are_counted() -> None:
     items = items_for(SENTENCES)
-    same = golden.summarize("balanced", "v1", items, SENTENCES, SENTENCES, [0.0, 0.1, 0.2])
-    assert same.bleu_dense == pytest.approx(100.0)
-    assert same.drift_bleu == 0.0 and same.answers_changed == 0 and same.prompts == 3
+    same = golden_score.summarize("balanced", "v1", items, SENTENCES, SENTENCES, [0.0, 0.1, 0.2])
+    assert same.score_dense == pytest.approx(100.0) and same.metric == "chrf"
+    assert (same.drift, same.drift_low, same.drift_high) == (0.0, 0.0, 0.0)
+    assert same.answers_changed == 0 and same.prompts == 3 and same.status(0.0) == OK
     assert same.kl_mean == pytest.approx(0.1)
-    assert not same.over_budget(0.8)
 
     sparse = [SENTENCES[0], "A different answer entirely here .", SENTENCES[2][:20]]
-    drifted = golden.summarize("balanced", "v1", items, SENTENCES, sparse, [0.0, 0.5, 0.4])
-    assert drifted.answers_changed == 2
-    assert drifted.bleu_sparse < drifted.bleu_dense
-    assert drifted.drift_bleu == pytest.approx(drifted.bleu_dense - drifted.bleu_sparse)
-    assert drifted.over_budget(0.8)
+    drifted = golden_score.summarize("balanced", "v1", items, SENTENCES, sparse, [0.0, 0.5, 0.4])
+    assert drifted.answers_changed == 2 and drifted.changed_share == pytest.approx(2 / 3)
+    assert drifted.score_sparse < drifted.score_dense
+    assert drifted.drift == pytest.approx(drifted.score_dense - drifted.score_sparse)
+    assert drifted.drift_low <= drifted.drift <= drifted.drift_high
     rows = drifted.details["items"]
     assert [row["changed"] for row in rows] == [False, True, True]
-    assert rows[1] == {
-        "id": "q1",
-        "changed": True,
-        "kl": 0.5,
-        "dense": SENTENCES[1],
-        "sparse": sparse[1],
-    }
+    assert rows[0]["dense_score"] == rows[0]["sparse_score"] == pytest.approx(100.0)
+    assert rows[1]["id"] == "q1" and rows[1]["metric"] == "chrf" and rows[1]["kl"] == 0.5
+    assert (rows[1]["dense"], rows[1]["sparse"]) == (SENTENCES[1], sparse[1])
 
 
-def test_bleu_is_sacrebleu_corpus_bleu_4() -> None:
-    # By hand: 2/4 unigrams (clipped), 1/3 bigrams; no trigram (of 2) or 4-gram (of 1) match,
-    # which exp smoothing scores 1/(2*2) and 1/(4*1); equal lengths, so no brevity penalty.
-    expected = math.exp((math.log(1 / 2) + math.log(1 / 3) + math.log(1 / 4) + math.log(1 / 4)) / 4)
-    assert golden.bleu(["the cat the dog"], ["the cat sat down"]) == pytest.approx(100 * expected)
-
-
-answers = st.lists(st.text(alphabet="ab .", max_size=12), min_size=1, max_size=6)
-
-
-@given(answers, st.data())
-def test_drift_identity_and_change_count(dense: list[str], data: st.DataObject) -> None:
-    sparse = data.draw(
-        st.lists(st.sampled_from(["", "a b", "a"]), min_size=len(dense), max_size=len(dense))
+def test_each_item_is_scored_with_its_own_metric() -> None:
+    items = [*items_for(["Paris"], "f1"), GoldenItem("long", "p", SENTENCES[1], "t", "chrf")]
+    result = golden_score.summarize(
+        "aggressive", "v", items, ["Paris", SENTENCES[1]], ["Rome", ""], [0, 0]
     )
-    items = items_for(
-        data.draw(st.lists(st.text(max_size=8), min_size=len(dense), max_size=len(dense)))
-    )
-    kls = [0.0] * len(dense)
-    same = golden.summarize("aggressive", "v", items, dense, dense, kls)
-    assert same.drift_bleu == 0.0 and same.answers_changed == 0
-    result = golden.summarize("aggressive", "v", items, dense, sparse, kls)
-    assert result.answers_changed == sum(d != s for d, s in zip(dense, sparse, strict=True))
-    assert math.isfinite(result.drift_bleu)
+    assert result.metric == "chrf+f1"
+    assert [row["dense_score"] - row["sparse_score"] for row in result.details["items"]] == [
+        pytest.approx(100.0),
+        pytest.approx(100.0),
+    ]
+    assert result.drift == pytest.approx(100.0) and result.over_budget(BUDGET)
+    with pytest.raises(ValueError, match="golden set is empty"):
+        golden_score.summarize("aggressive", "v", [], [], [], [])
 
 
 # --- freeze and check on the tiny engine ---------------------------------------------------
@@ -184,20 +281,24 @@ def test_freeze_keeps_the_dense_greedy_answers(tiny: Engine) -> None:
     assert golden.freeze(tiny, PROMPTS, 12) == items  # greedy: the same answers again
 
 
-def test_check_compares_each_calibrated_level_with_dense(tiny: Engine) -> None:
-    items = golden.freeze(tiny, PROMPTS, 12)
+def test_check_compares_each_calibrated_level_with_dense(
+    tiny: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    items = [
+        GoldenItem(pid, prompt, "a reference answer", "test", "chrf") for pid, prompt in PROMPTS
+    ]
     done: list[int] = []
-    results = golden.check(tiny, items, ["conservative", "aggressive"], 12, progress=done.append)
+    with caplog.at_level("INFO", logger="services.workers.golden"):
+        results = golden.check(tiny, items, ["conservative", "aggressive"], 12, done.append)
     assert [r.level for r in results] == ["conservative", "aggressive"]
     assert sum(done) == len(items) * 3
+    assert "golden check aggressive: drift" in caplog.text
     for result in results:
         assert result.calibration_version == f"tiny-{result.level}"
-        assert result.prompts == 2
-        # The references are the dense answers, so dense scores full marks on every run.
-        assert result.bleu_dense == pytest.approx(100.0)
-        assert result.drift_bleu == pytest.approx(result.bleu_dense - result.bleu_sparse)
+        assert result.prompts == 2 and result.metric == "chrf"
+        assert result.drift == pytest.approx(result.score_dense - result.score_sparse)
+        assert result.drift_low <= result.drift <= result.drift_high
         rows = result.details["items"]
-        assert [row["dense"] for row in rows] == [i.reference for i in items]
         assert result.answers_changed == sum(row["dense"] != row["sparse"] for row in rows)
         assert all(math.isfinite(row["kl"]) and row["kl"] >= 0 for row in rows)
     conservative, aggressive = results
@@ -205,74 +306,104 @@ def test_check_compares_each_calibrated_level_with_dense(tiny: Engine) -> None:
     assert aggressive.answers_changed >= 1  # 70 % of MLP inputs zeroed changes the answer
 
 
-def test_check_skips_levels_without_calibration(
-    tiny: Engine, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_short_answer_items_are_capped(tiny: Engine) -> None:
+    short = GoldenItem("s", "Capital of France?", "Paris", "test", "f1")
+    long = GoldenItem("l", "Explain sparsity.", SENTENCES[1], "test", "chrf")
+    assert golden.answer_tokens(short, 64) == golden.SHORT_ANSWER_TOKENS
+    assert golden.answer_tokens(short, 8) == 8
+    assert golden.answer_tokens(long, 64) == 64
+
+
+def test_dense_references_are_warned_about(tiny: Engine, caplog: pytest.LogCaptureFixture) -> None:
     engine = Engine(tiny.lm, {Level.BALANCED: tiny.plans[Level.BALANCED]})
     items = golden.freeze(engine, PROMPTS[:1], 4)
     with caplog.at_level("INFO", logger="services.workers.golden"):
         results = golden.check(engine, items, ["dense", "balanced", "aggressive"], 4)
     assert [r.level for r in results] == ["balanced"]
     assert "skips aggressive" in caplog.text
+    assert "1 golden references are dense-model answers" in caplog.text
     with pytest.raises(ValueError, match="unknown level 'sideways'"):
         golden.check(engine, items, ["sideways"], 4)
     with pytest.raises(ValueError, match="golden set is empty"):
         golden.check(engine, [], ["balanced"], 4)
 
 
-def test_mtbench_golden_prefers_packaged_references(tiny: Engine) -> None:
+# --- the default set's pieces (no model: every reference is external) ---------------------------
+
+
+def test_mtbench_items_are_the_questions_with_a_gpt4_reference() -> None:
     questions = [
         MTBenchQuestion(1, "writing", ("Write a haiku.", "Another?")),
         MTBenchQuestion(2, "math", ("What is 2+2?", "And 3+3?")),
     ]
-    items = golden.mtbench_golden(questions, {2: "4"}, tiny, 6)
-    frozen = golden.freeze(tiny, [("mtbench-1", "Write a haiku.")], 6)
-    assert items == [frozen[0], GoldenItem("mtbench-2", "What is 2+2?", "4", "gpt-4")]
+    assert golden_default.mtbench_golden(questions, {2: "2 + 2 = 4, because ..."}) == [
+        GoldenItem("mtbench-2", "What is 2+2?", "2 + 2 = 4, because ...", "gpt-4", "chrf")
+    ]
 
 
-def test_a_configured_golden_set_must_exist(tiny: Engine, tmp_path: Path) -> None:
+def test_halueval_items_are_spread_and_asked_with_their_passage() -> None:
+    data = [HaluEvalItem(f"Passage {i}.", f" Question {i}?", f"Answer {i}") for i in range(10)]
+    items = golden_default.halueval_golden(data, 3)
+    assert [i.id for i in items] == ["halueval-0", "halueval-3", "halueval-6"]
+    assert {(i.source, i.metric) for i in items} == {("halueval", "f1")}
+    assert items[1].reference == "Answer 3"
+    assert items[1].prompt == (
+        "Use this passage to answer.\n\nPassage: Passage 3.\n\n"
+        "Question: Question 3?\nAnswer in a few words."
+    )
+    assert golden_default.halueval_golden(data, 0) == []
+    with pytest.raises(ValueError, match="asked for 11 HaluEval items but the data set has 10"):
+        golden_default.halueval_golden(data, 11)
+    with pytest.raises(ValueError, match=">= 0"):
+        golden_default.halueval_golden(data, -1)
+
+
+def test_a_configured_golden_set_must_exist(tmp_path: Path) -> None:
     custom = tmp_path / "mine.jsonl"
     settings = Settings(home=tmp_path, jobs=JobSettings(golden_set=custom))
     with pytest.raises(FileNotFoundError, match="sparseguard golden create"):
-        golden.ensure_default_golden(settings, tiny)
+        golden.ensure_default_golden(settings)
+    assert Settings(home=tmp_path).golden_set_path.name == "external-v1.jsonl"
 
 
-# --- stored runs -----------------------------------------------------------------------------
+# --- stored runs ---------------------------------------------------------------------------------
 
 
-def test_runs_are_stored_averaged_and_dated(tmp_path: Path) -> None:
+def migrated(tmp_path: Path) -> str:
     url = f"sqlite:///{tmp_path / 'sparseguard.db'}"
     upgrade(url)
-    factory = session_factory(make_engine(url))
+    return url
+
+
+def test_runs_are_stored_averaged_on_their_lower_bound_and_dated(tmp_path: Path) -> None:
+    factory = session_factory(make_engine(migrated(tmp_path)))
     items = items_for(SENTENCES)
-    low = golden.summarize("balanced", "v1", items, SENTENCES, SENTENCES, [0.0] * 3)
-    high = golden.summarize("balanced", "v1", items, SENTENCES, ["x", "y", "z"], [1.0] * 3)
+    low = golden_score.summarize("balanced", "v1", items, SENTENCES, SENTENCES, [0.0] * 3)
+    high = golden_score.summarize("balanced", "v1", items, SENTENCES, ["x", "y", "z"], [1.0] * 3)
     with factory.begin() as session:
         assert golden.last_run_at(session) is None
-        assert golden.drift_average(session, "m", "balanced", T0) is None
-        golden.store_runs(session, "m", [low], T0)
-        golden.store_runs(session, "m", [high], T0 + timedelta(hours=12))
-        golden.store_runs(session, "other", [low], T0 + timedelta(hours=20))
+        assert golden.drift_low_average(session, "m", "balanced", T0) is None
+        golden.store_runs(session, "m", [low], T0, BUDGET)
+        golden.store_runs(session, "m", [high], T0 + timedelta(hours=12), BUDGET)
+        golden.store_runs(session, "other", [low], T0 + timedelta(hours=20), BUDGET)
     with factory() as session:
-        both = golden.drift_average(session, "m", "balanced", T0)
-        assert both == pytest.approx((low.drift_bleu + high.drift_bleu) / 2)
-        later = golden.drift_average(session, "m", "balanced", T0 + timedelta(hours=1))
-        assert later is not None and later == pytest.approx(high.drift_bleu) and later > 0
-        assert golden.drift_average(session, "m", "aggressive", T0) is None
+        both = golden.drift_low_average(session, "m", "balanced", T0)
+        assert both == pytest.approx((low.drift_low + high.drift_low) / 2)
+        later = golden.drift_low_average(session, "m", "balanced", T0 + timedelta(hours=1))
+        assert later is not None and later == pytest.approx(high.drift_low) and later > 0
+        assert golden.drift_low_average(session, "m", "aggressive", T0) is None
         assert golden.last_run_at(session, "m") == T0 + timedelta(hours=12)
         assert golden.last_run_at(session) == T0 + timedelta(hours=20)
         assert golden.last_run_at(session, "nobody") is None
 
 
 def test_stored_run_keeps_every_figure(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'sparseguard.db'}"
-    upgrade(url)
-    factory = session_factory(make_engine(url))
-    result = golden.summarize(
+    factory = session_factory(make_engine(migrated(tmp_path)))
+    result = golden_score.summarize(
         "aggressive", "v9", items_for(SENTENCES), SENTENCES, ["a"] * 3, [0.2] * 3
     )
     with factory.begin() as session:
-        (run,) = golden.store_runs(session, "m", [result], T0)
+        (run,) = golden.store_runs(session, "m", [result], T0, BUDGET)
         run_id = run.id
     with factory() as session:
         stored = session.get(GoldenRun, run_id)
@@ -282,9 +413,43 @@ def test_stored_run_keeps_every_figure(tmp_path: Path) -> None:
             "v9",
             T0,
         )
-        assert stored.drift_bleu == pytest.approx(result.drift_bleu)
+        assert (stored.metric, stored.status) == ("chrf", OVER_BUDGET)
+        assert stored.drift == pytest.approx(result.drift)
+        assert (stored.drift_low, stored.drift_high) == (result.drift_low, result.drift_high)
+        assert stored.score_dense == pytest.approx(100.0)
         assert stored.kl_mean == pytest.approx(0.2) and stored.answers_changed == 3
         assert stored.details == json.loads(json.dumps(result.details))
+
+
+def test_migration_keeps_bleu_runs_without_an_interval(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'sparseguard.db'}"
+    config = alembic_config(url)
+    command.upgrade(config, "0003")
+    engine = make_engine(url)
+    with engine.begin() as connection:
+        connection.execute(
+            sa.text(
+                "INSERT INTO golden_runs (model_id, level, calibration_version, bleu_dense, "
+                "bleu_sparse, drift_bleu, kl_mean, answers_changed, prompts, created_at, details) "
+                "VALUES ('m', 'balanced', 'v1', 20, 18.5, 1.5, 0.1, 3, 10, :at, '{}')"
+            ),
+            {"at": T0.replace(tzinfo=None)},
+        )
+    command.upgrade(config, "head")
+    factory = session_factory(engine)
+    with factory() as session:
+        (run,) = session.scalars(sa.select(GoldenRun)).all()
+        assert (run.metric, run.drift, run.score_dense) == ("bleu-corpus", 1.5, 20.0)
+        assert (run.drift_low, run.drift_high, run.status) == (None, None, None)
+        # BLEU runs are another unit: never part of the recalibration mean.
+        assert golden.drift_low_average(session, "m", "balanced", T0) is None
+    with factory.begin() as session, pytest.raises(sa.exc.IntegrityError):
+        session.execute(sa.update(GoldenRun).values(status="bad"))
+    command.downgrade(config, "0003")
+    with engine.connect() as connection:
+        row = connection.execute(sa.text("SELECT bleu_dense, drift_bleu FROM golden_runs")).one()
+    assert tuple(row) == (20.0, 1.5)
+    engine.dispose()
 
 
 # --- the CLI -------------------------------------------------------------------------------
@@ -308,60 +473,12 @@ def test_create_names_the_fix_for_a_missing_prompt_file(
     assert "sparseguard golden create" in capsys.readouterr().err
 
 
-@pytest.mark.slow
-def test_golden_create_freezes_smollm_answers(
-    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+def test_show_counts_items_by_source_and_metric(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("SPARSEGUARD_HOME", str(tmp_path))
-    monkeypatch.setenv("SPARSEGUARD_CACHE_DIR", str(home))
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("What is the capital of France?\nName a primary colour.\n")
-    out = tmp_path / "golden.jsonl"
-    args = ["golden", "create", "--prompts", str(prompts), "--out", str(out)]
-    assert main([*args, "--max-new-tokens", "8"]) == 0
-    items = golden_set.load_golden(out)
-    assert [i.id for i in items] == ["prompts-1", "prompts-2"]
-    assert all(i.reference.strip() and i.source.startswith("dense:") for i in items)
-    assert "wrote 2 references" in capsys.readouterr().out
-    assert main(["golden", "show", "--file", str(out)]) == 0
+    path = tmp_path / "set.jsonl"
+    golden_set.write_golden(path, items_for(["Paris", "Rome"], "f1"))
+    assert main(["golden", "show", "--file", str(path)]) == 0
     shown = capsys.readouterr().out
-    assert f"2 items in {out}" in shown and items[0].source in shown
-
-
-@pytest.mark.slow
-def test_check_on_smollm_balanced(
-    smollm: LoadedModel, calibrated_store: CalibrationStore, home: Path
-) -> None:
-    engine = Engine(smollm, calibrated_store.latest_plans(smollm.weights_sha256))
-    references = mtbench_references(home)
-    answered = [q for q in mtbench_questions(home) if q.question_id in references][:3]
-    items = [
-        GoldenItem(str(q.question_id), q.turns[0], references[q.question_id], "gpt-4")
-        for q in answered
-    ]
-    (result,) = golden.check(engine, items, ["balanced"], 16)
-    assert result.level == "balanced" and result.prompts == 3
-    assert result.calibration_version == engine.plans[Level.BALANCED].calibration_version
-    assert all(0.0 <= b <= 100.0 for b in (result.bleu_dense, result.bleu_sparse))
-    assert math.isfinite(result.drift_bleu) and math.isfinite(result.kl_mean)
-    assert result.kl_mean >= 0.0
-    assert 0 <= result.answers_changed <= 3
-
-
-@pytest.mark.slow
-def test_ensure_default_golden_builds_mt_bench_once(
-    smollm: LoadedModel, home: Path, tmp_path: Path
-) -> None:
-    # The tiny model's 512-byte context is too short for MT-Bench prompts: use the real one.
-    dense = Engine(smollm, {})
-    settings = Settings(home=tmp_path, cache_dir=home, jobs=JobSettings(golden_max_new_tokens=2))
-    path = golden.ensure_default_golden(settings, dense)
-    assert path == tmp_path / "golden" / "mt-bench.jsonl"
-    items = golden_set.load_golden(path)
-    references = mtbench_references(home)
-    assert len(items) == len(mtbench_questions(home)) == 80
-    assert sum(i.source == "gpt-4" for i in items) == len(references)
-    assert {i.source for i in items} == {"gpt-4", f"dense:{smollm.model_id}"}
-    path.write_text(path.read_text().splitlines()[0] + "\n")
-    assert golden.ensure_default_golden(settings, dense) == path  # existing file left alone
-    assert len(golden_set.load_golden(path)) == 1
+    assert f"2 items in {path}" in shown and "2  test (f1)" in shown

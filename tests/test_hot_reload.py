@@ -182,7 +182,7 @@ def test_listener_waits_for_a_late_broker_and_survives_its_restart(
     def serving(version: str) -> bool:
         return engine.plan(Level.BALANCED).calibration_version == version
 
-    caplog.set_level(logging.INFO, logger="services.gateway.calibration_listener")
+    caplog.set_level(logging.INFO, logger="services.gateway.control_listener")
     try:
         with serve(app):
             control = app.state.runtime.control

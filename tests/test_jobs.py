@@ -25,6 +25,7 @@ from services.config import (
     EngineSettings,
     JobSettings,
     Settings,
+    SignalSettings,
     TelemetrySettings,
 )
 from services.storage.db import make_engine, session_factory, upgrade
@@ -34,7 +35,8 @@ from services.telemetry import control
 from services.workers import jobs
 from services.workers.app import beat_schedule, cron, make_celery
 from services.workers.drift import record
-from services.workers.golden import LevelDrift, store_runs
+from services.workers.golden import store_runs
+from services.workers.golden_score import LevelDrift
 from services.workers.jobs import ClaimedJob
 from services.workers.recalibration import _data, calibration_reason, pack, recent_prompts
 from services.workers.tasks import Context, schedule_once
@@ -210,13 +212,19 @@ def test_alert_actions_queue_and_send_a_recalibration_and_raise_the_finetune_fla
     assert sent(celery, settings.jobs.queue) == [("sparseguard.recalibrate", [job.id])]
 
 
-def drift(level: str, value: float) -> LevelDrift:
-    return LevelDrift(level, f"{level}-v1", 20.0, 20.0 - value, value, 0.1, 3, 10)
+def drift(level: str, value: float, low: float | None = None, high: float = 99.0) -> LevelDrift:
+    """A level's drift of `value` points, its interval [low (default: value), high]."""
+    low = value if low is None else low
+    return LevelDrift(
+        level, f"{level}-v1", "chrf", 20.0, 20.0 - value, value, low, high, 0.1, 3, 10
+    )
 
 
 def test_a_24h_drift_mean_over_the_limit_queues_recalibration_and_flags_the_model(
     sessions: sessionmaker[Session], settings: Settings
 ) -> None:
+    signals = SignalSettings(drift_budget=0.8, drift_recalibrate=1.2)
+    settings = settings.model_copy(update={"signals": signals})
     job = ClaimedJob(1, "golden_check", "schedule", {}, 1)
     with sessions.begin() as session:
         first = record(
@@ -226,16 +234,20 @@ def test_a_24h_drift_mean_over_the_limit_queues_recalibration_and_flags_the_mode
     with sessions.begin() as session:
         # 0.3 and 0.6 today plus an old 5.0 outside the 24 h window
         session.query(GoldenRun).delete()
-        store_runs(session, "m2", [drift("balanced", 5.0)], NOW - timedelta(hours=30))
+        store_runs(session, "m2", [drift("balanced", 5.0)], NOW - timedelta(hours=30), 0.8)
         record(session, settings, "m2", [drift("balanced", 0.3)], job, NOW - timedelta(hours=1))
         quiet = record(session, settings, "m2", [drift("balanced", 0.6)], job, NOW)
     with sessions.begin() as session:
         again = record(session, settings, "m1", [drift("balanced", 3.0)], job, NOW)
     assert again["balanced"]["recalibration_job_earlier"] == first["balanced"]["recalibration_job"]
     assert "recalibration_job" not in again["balanced"]  # one drift recalibration a day
-    assert quiet["balanced"]["drift_bleu_24h"] == pytest.approx(0.45)
+    assert quiet["balanced"]["drift_low_24h"] == pytest.approx(0.45)
     assert "recalibration_job" not in quiet["balanced"]
     assert quiet["balanced"]["over_budget"] is False
+    with sessions.begin() as session:  # a point over the limit whose interval reaches below it
+        noisy = record(session, settings, "m3", [drift("balanced", 2.0, low=0.5)], job, NOW)
+    assert "recalibration_job" not in noisy["balanced"]
+    assert noisy["balanced"]["status"] == "inconclusive"
     with sessions() as session:
         recalibrations = session.scalars(select(JobRun).where(JobRun.kind == "recalibrate")).all()
         raised = [(f.model_id, f.flag) for f in flags(session)]
@@ -267,19 +279,28 @@ def test_job_figures_become_samples_and_gauges(sessions: sessionmaker[Session]) 
         [age] = job_samples(session, NOW, metrics)
     assert age.values["golden_check_age_s"] == 30 * 3600  # no check since the first calibration
     job = ClaimedJob(1, "golden_check", "schedule", {}, 1)
-    settings = Settings(home=Path("/nonexistent"))
+    limits = SignalSettings(drift_budget=0.8, drift_recalibrate=1.2)  # lower bounds' mean 1.25
+    settings = Settings(home=Path("/nonexistent"), signals=limits)
     with sessions.begin() as session:
         record(session, settings, "m1", [drift("aggressive", 1.0)], job, NOW - timedelta(hours=3))
-        record(session, settings, "m1", [drift("aggressive", 2.0)], job, NOW - timedelta(hours=1))
+        latest = drift("aggressive", 2.0, low=1.5, high=2.5)
+        record(session, settings, "m1", [latest], job, NOW - timedelta(hours=1))
     with sessions() as session:
         samples = job_samples(session, NOW, metrics)
     assert samples[0].values["golden_check_age_s"] == 3600
-    assert samples[1].labels == {"model": "m1", "level": "aggressive"}
-    assert samples[1].values == {"golden_drift_bleu": 2.0}
+    assert samples[1].labels == samples[2].labels == {"model": "m1", "level": "aggressive"}
+    assert samples[1].values == {"golden_drift": 2.0}
+    assert samples[2].values == {"golden_drift_low": 1.5}
     gauge = registry.get_sample_value
     labels = {"model": "m1", "level": "aggressive"}
-    assert gauge("sparseguard_golden_drift_bleu_points", labels) == 2.0
-    assert gauge("sparseguard_golden_drift_bleu_24h_points", labels) == 1.5
+    assert gauge("sparseguard_golden_drift_points", labels) == 2.0
+    assert gauge("sparseguard_golden_drift_low_points", labels) == 1.5
+    assert gauge("sparseguard_golden_drift_high_points", labels) == 2.5
+    assert gauge("sparseguard_golden_drift_low_24h_points", labels) == 1.25
+    status = latest.status(settings.signals.drift_budget)
+    for name in ("ok", "inconclusive", "over-budget"):
+        expected = 1.0 if name == status else 0.0
+        assert gauge("sparseguard_golden_drift_status", {**labels, "status": name}) == expected
     assert gauge("sparseguard_golden_check_age_seconds") == 3600
     assert gauge("sparseguard_model_flag", {"model": "m1", "flag": "finetune"}) == 1.0
     assert gauge("sparseguard_job_runs", {"kind": "recalibrate", "status": "queued"}) == 1.0

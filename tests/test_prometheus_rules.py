@@ -59,7 +59,8 @@ def test_every_metric_in_the_exported_rules_exists_in_the_metric_tables() -> Non
     named = {name for expr in expressions for name in re.findall(r"\bsparseguard_\w+", expr)}
     assert named == metric_names(rules, ALERT_SERIES)
     assert named - table_names() == set()
-    assert "sparseguard_window_sparsity_target_ratio" in named
+    assert "sparseguard_baseline_tolerance" in named
+    assert "sparseguard_window_semantic_drift_samples" in named  # the drift rule's count
     assert "sparseguard_aggregator_consumer_lag_events" in named
 
 
@@ -82,9 +83,16 @@ def test_export_matches_the_rules() -> None:
     by_name = {rule["alert"]: rule for rule in group["rules"]}
     sparsity = by_name["SparsityBelowTarget"]
     assert sparsity["for"] == "5m" and sparsity["labels"] == {"severity": "warning"}
-    assert " < 0.6 unless on(model, level, window) " in sparsity["expr"]
+    assert sparsity["expr"].startswith(
+        '(sparseguard_window_sparsity_ratio{window="5m"} < on(model, level) group_left() '
+        '(sparseguard_baseline_center{signal="sparsity"} - on(model, level) '
+        '(sparseguard_baseline_tolerance{signal="sparsity"} + on(model, level) '
+        '(4 * sqrt(sparseguard_baseline_spread{signal="sparsity"} ^ 2 / on(model, level) '
+        'sparseguard_window_requests{window="5m"} + on(model, level) '
+        'sparseguard_baseline_error{signal="sparsity"} ^ 2)))))'
+    )
     band = by_name["GateConfidenceOutOfBand"]["expr"]
-    assert '_ratio{window="5m"} < 0.75 or sparseguard_window_gate_confidence_ratio' in band
+    assert ") or (sparseguard_window_gate_confidence_ratio" in band  # both sides of the band
     assert by_name["SemanticDriftHigh"]["labels"]["severity"] == "critical"
     assert by_name["TelemetryPipelineLag"]["expr"].endswith("_consumer_lag_events > 1000")
     assert set(by_name["SilenceSpikes"]["annotations"]) == {"summary", "description"}

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 from sqlalchemy.orm import sessionmaker
 
+from alerts.definitions import Deviation
 from alerts.rules import DEFAULT_RULES, RuleError, load_rules, parse_rules
 from dashboards import dashboards
 from dashboards.silence import silence
@@ -28,7 +29,7 @@ from services.config import (
     SignalSettings,
     TrustSettings,
 )
-from services.gateway.trust import trust_reasons
+from services.gateway.reasons import trust_reasons
 from services.telemetry import schema
 from services.telemetry.schema import REASON_SILENCE_SPIKE, TelemetryEvent
 from sparse_engine.model import catalog
@@ -131,19 +132,26 @@ def test_alert_rules_loaded_with_a_changed_gate_band_get_that_band(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("SPARSEGUARD_SIGNALS__GATE_BAND", "[0.6, 0.97]")
+    monkeypatch.setenv("SPARSEGUARD_SIGNALS__ALERT_Z", "2.5")
     settings = Settings()
     band = settings.signals.gate_band
     assert band != SignalSettings().gate_band
     rules = {r.name: r for r in load_rules(DEFAULT_RULES, settings.signals.as_thresholds())}
-    assert rules[GATE_RULE].threshold == band
-    # The aggregator's evaluator, its fold and the CLI's export read the same band.
+    assert rules[GATE_RULE].threshold == Deviation("gate_confidence", 2.5)
+    # The aggregator's evaluator, its fold and the CLI's export read the same settings: the
+    # band is the fallback reference of a key without a baseline, z is the rules' z.
     loop = AlertLoop(AlertSettings(), sessionmaker(), CollectorRegistry(), signals=settings.signals)
-    assert next(r for r in loop.rules if r.name == GATE_RULE).threshold == band
+    gate = next(r for r in loop.rules if r.name == GATE_RULE).threshold
+    assert gate == Deviation("gate_confidence", 2.5)
     aggregator = Aggregator(settings, sessionmaker(), AggregatorMetrics(CollectorRegistry()))
     assert aggregator.state.config.gate_band == band
+    windows.apply(aggregator.state, [event(answer(3, 0.1), (), 0)])
+    summary = aggregator.snapshot()[("m", "balanced")]["5m"]
+    ref = summary.references["gate_confidence"]
+    assert (ref.center - ref.tolerance, ref.center + ref.tolerance) == pytest.approx(band)
     assert main(["alerts", "export-prometheus"]) == 0
     exported = capsys.readouterr().out
-    assert f"< {band[0]:g} or" in exported and f"> {band[1]:g}" in exported
+    assert '(2.5 * sqrt(sparseguard_baseline_spread{signal="gate_confidence"}' in exported
 
 
 def test_every_signal_setting_is_a_rule_threshold_name() -> None:
@@ -152,12 +160,12 @@ def test_every_signal_setting_is_a_rule_threshold_name() -> None:
     assert set(thresholds) == set(SignalSettings.model_fields)
     assert thresholds["gate_band"] == signals.gate_band
     rules = {r.name: r for r in load_rules(DEFAULT_RULES, thresholds)}
-    assert rules["SemanticDriftHigh"].threshold == signals.drift_kl_24h
-    assert rules["PrefixCacheHitRateLow"].threshold == signals.cache_hit_min
-    assert rules["GateDegraded"].threshold == signals.gate_uniform_entropy
-    assert rules["GoldenDriftHigh"].threshold == signals.drift_budget_bleu
-    sparsity = rules["SparsityBelowTarget"].threshold
-    assert getattr(sparsity, "default", None) == signals.sparsity_target_default
+    assert rules["SemanticDriftHigh"].threshold == Deviation(
+        "drift_kl", signals.alert_z, "drift_samples"
+    )
+    assert rules["PrefixCacheHitRateLow"].threshold == Deviation("cache_hit", signals.alert_z)
+    assert rules["GateDegraded"].threshold == Deviation("gate_entropy", signals.alert_z)
+    assert rules["GoldenDriftHigh"].threshold == signals.drift_budget
 
 
 def rule(threshold: str, op: str = "<") -> str:
@@ -170,7 +178,10 @@ def rule(threshold: str, op: str = "<") -> str:
 @pytest.mark.parametrize(
     ("text", "reason"),
     [
-        (rule("{signal: nope}"), "unknown signal 'nope' (known: cache_hit_min, "),
+        (
+            rule("{signal: nope}"),
+            "unknown signal 'nope' (known: alert_z, cache_drop_effect, cache_hit_min, ",
+        ),
         (rule("{signal: gate_band}"), "signal 'gate_band' is a band, not a number"),
         (rule("{signal: spike_silence}", "outside"), "is a number; op 'outside' needs a band"),
         (rule("{signal: gate_band, factor: 2}"), "unknown key 'factor'"),
@@ -199,13 +210,17 @@ def test_bad_and_moved_settings_are_refused(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(ValidationError, match="SPARSEGUARD_SIGNALS__SPIKE_SILENCE"):
         TrustSettings.model_validate({"spike_silence": 0.9})
     monkeypatch.setenv("SPARSEGUARD_JOBS__DRIFT_BUDGET_BLEU", "1.0")
-    with pytest.raises(ValidationError, match="SPARSEGUARD_SIGNALS__DRIFT_BUDGET_BLEU"):
+    with pytest.raises(ValidationError, match=r"set SPARSEGUARD_SIGNALS__DRIFT_BUDGET \["):
+        Settings()
+    monkeypatch.delenv("SPARSEGUARD_JOBS__DRIFT_BUDGET_BLEU")
+    monkeypatch.setenv("SPARSEGUARD_SIGNALS__DRIFT_RECALIBRATE_BLEU", "1.2")  # BLEU, renamed
+    with pytest.raises(ValidationError, match=r"no longer BLEU.*SIGNALS__DRIFT_RECALIBRATE \["):
         Settings()
 
 
 def test_the_dashboards_draw_the_signal_settings() -> None:
     signals = SignalSettings(
-        gate_band=(0.7, 0.9), drift_kl_24h=2.0, drift_budget_bleu=0.5, drift_recalibrate_bleu=1.5
+        gate_band=(0.7, 0.9), drift_kl_24h=2.0, drift_budget=0.5, drift_recalibrate=1.5
     )
     panels = {p.title: p for d in dashboards(signals) for p in d.panels()}
     low, high = signals.gate_band
@@ -213,11 +228,8 @@ def test_the_dashboards_draw_the_signal_settings() -> None:
     assert [v for v, _ in gate.steps] == [low, high, signals.monotonous_confidence]
     drift = panels["Semantic drift KL(dense || sparse)"]
     assert drift.steps == ((signals.drift_kl_24h, "red"),)
-    golden = panels["Golden-set drift per level (BLEU points)"]
-    assert [v for v, _ in golden.steps] == [
-        signals.drift_budget_bleu,
-        signals.drift_recalibrate_bleu,
-    ]
+    golden = panels["Golden-set drift per level (points)"]
+    assert [v for v, _ in golden.steps] == [signals.drift_budget, signals.drift_recalibrate]
 
 
 def test_the_names_settings_write_out_are_the_libraries_ones() -> None:

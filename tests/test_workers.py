@@ -2,7 +2,8 @@
 endpoint to a running gateway serving the new version, and a golden-set check on the real
 model (Redis, a Kafka-compatible broker); a worker killed mid-task leaves no partial
 calibration and the redelivered task completes; the embedded SQLite transport, with beat
-re-sending a job whose message was lost; the beat lock."""
+re-sending a job whose message was lost, and a trust fit reaching a running gateway; the beat
+lock."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from kafka import KafkaConsumer, TopicPartition
 from prometheus_client import CollectorRegistry
 from sqlalchemy import select
@@ -27,6 +29,7 @@ from services.aggregator.job_figures import job_samples
 from services.aggregator.metrics import AggregatorMetrics
 from services.config import Settings
 from services.gateway.app import create_app
+from services.gateway.trust import serving_versions
 from services.shared.serving import serve
 from services.storage.db import make_engine, session_factory, upgrade
 from services.storage.models import CalibrationRecord, GoldenRun, JobRun
@@ -37,10 +40,13 @@ from services.workers.beat import FileLock, RedisLock, wait_for_lock
 from services.workers.golden_set import GoldenItem, write_golden
 from sparse_engine.calibration.store import CalibrationStore
 from sparse_engine.data.corpora import mtbench_questions, mtbench_references
-from sparse_engine.model.loader import LoadedModel
+from sparse_engine.model.loader import LoadedModel, load_model
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.sparsity.plan import Level
+from tests.gateway_fixtures import RecordingSink
 from tests.polling import wait_until
+from tests.test_trust_reload import qa_items, trust_messages, write_qa
+from tests.tiny import tiny_model
 from tests.worker_fixtures import SPARSEGUARD, Process, job_env
 
 
@@ -190,13 +196,16 @@ def test_a_golden_check_on_a_worker_stores_runs_and_exposes_metrics(stack: Stack
         registry = CollectorRegistry()
         samples = job_samples(session, datetime.now(UTC), AggregatorMetrics(registry))
     assert run.prompts == 3 and run.level == "balanced"
-    assert 0.0 <= run.bleu_dense <= 100.0 and 0.0 <= run.bleu_sparse <= 100.0
-    assert run.drift_bleu == pytest.approx(run.bleu_dense - run.bleu_sparse)
+    assert 0.0 <= run.score_dense <= 100.0 and 0.0 <= run.score_sparse <= 100.0
+    assert run.drift == pytest.approx(run.score_dense - run.score_sparse)
+    assert run.drift_low is not None and run.drift_low <= run.drift
     assert run.kl_mean >= 0.0 and 0 <= run.answers_changed <= 3
-    assert figures["drift_bleu"] == pytest.approx(run.drift_bleu, abs=1e-3)
+    assert figures["drift"] == pytest.approx(run.drift, abs=1e-3)
+    assert figures["status"] == run.status
     labels = {"model": run.model_id, "level": "balanced"}
-    assert registry.get_sample_value("sparseguard_golden_drift_bleu_points", labels) == (
-        run.drift_bleu
+    assert registry.get_sample_value("sparseguard_golden_drift_points", labels) == run.drift
+    assert registry.get_sample_value("sparseguard_golden_drift_low_points", labels) == (
+        run.drift_low
     )
     assert samples[0].values["golden_check_age_s"] is not None
     assert samples[0].values["golden_check_age_s"] < 600
@@ -297,6 +306,54 @@ def test_embedded_transport_beat_resends_a_lost_job_and_a_worker_runs_it(
     job = job_row(sessions, lost_id)
     assert job.result == {"error": "the dense level needs no calibration; choose a sparse level"}
     assert len(holders) == 1, "exactly one beat schedules; the other stands by"
+
+
+def test_a_trust_fit_job_on_a_worker_reaches_a_running_gateway_without_a_restart(
+    kafka_broker: Broker, tmp_path: Path
+) -> None:
+    # A tiny model as a model directory, which the worker loads like the served model; the
+    # gateway serves the same weights and scores by the rule until the fit arrives.
+    model_dir = tmp_path / "models" / "tiny-llama"
+    tiny = tiny_model("llama")
+    tiny.model.save_pretrained(model_dir)
+    tiny.tokenizer.save_pretrained(model_dir)
+    env = job_env(
+        tmp_path / "state",
+        tmp_path / "cache",
+        engine__model=str(model_dir),
+        engine__fast_path="off",
+        telemetry__bootstrap_servers=kafka_broker.bootstrap,
+        telemetry__partitions=1,
+    )
+    settings = settings_from(env)
+    engine = Engine(load_model(model_dir), {})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the worker's thread count: the same greedy answers
+    try:
+        qa = write_qa(tmp_path / "qa.jsonl", qa_items(engine, 8, 3))
+    finally:
+        torch.set_num_threads(threads)
+    sessions = sessions_for(settings)
+    params = {"data": str(qa), "n": 8, "level": "dense", "max_new_tokens": 3, "if_missing": True}
+    app = create_app(settings, engine=engine, sink=RecordingSink())
+    with serve(app):
+        runtime = app.state.runtime
+        assert runtime.control.ready.wait(30) and runtime.trust.model is None
+        job_id = jobs.submit(sessions, make_celery(settings), "trust_fit", "first-serve", params)
+        worker = Process(["worker"], env, tmp_path / "worker.log")
+        try:
+            wait_until(lambda: status(sessions, job_id) in jobs.FINISHED, 180, 0.5)
+            job = job_row(sessions, job_id)
+            assert job.status == "succeeded", worker.output()[-3000:]
+            assert job.result is not None
+            version = job.result["version"]
+            wait_until(lambda: serving_versions(runtime.trust)["default"] == version, 30, 0.2)
+        finally:
+            worker.stop()
+    assert job.result["items"] == 8 and 0 < job.result["right"] < 8
+    (message,) = trust_messages(kafka_broker.bootstrap, settings.telemetry.control_topic)
+    assert (message.model.version, message.reason) == (version, "first-serve")
+    assert message.model.fit_data["job_id"] == job_id
 
 
 def test_file_lock_admits_one_holder_at_a_time(tmp_path: Path) -> None:

@@ -72,6 +72,7 @@ class Bucket:
     requests: int = 0
     errors: int = 0
     sums: list[float] = field(default_factory=lambda: [0.0] * len(MEAN_FIELDS))
+    squares: list[float] = field(default_factory=lambda: [0.0] * len(MEAN_FIELDS))
     counts: list[int] = field(default_factory=lambda: [0] * len(MEAN_FIELDS))
     gate_outside: int = 0
     silence_sums: list[float] = field(default_factory=list)
@@ -89,6 +90,7 @@ class Bucket:
         for i, value in enumerate(obs.values):
             if value is not None:
                 self.sums[i] += value
+                self.squares[i] += value * value
                 self.counts[i] += 1
         self.gate_outside += obs.gate_outside
         self.spikes += obs.spike
@@ -114,6 +116,7 @@ class Bucket:
         self.requests += other.requests
         self.errors += other.errors
         self.sums = [a + b for a, b in zip(self.sums, other.sums, strict=True)]
+        self.squares = [a + b for a, b in zip(self.squares, other.squares, strict=True)]
         self.counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
         self.gate_outside += other.gate_outside
         self.spikes += other.spikes
@@ -128,3 +131,10 @@ class Bucket:
 
     def mean(self, i: int) -> float | None:
         return self.sums[i] / self.counts[i] if self.counts[i] else None
+
+    def sd(self, i: int) -> float:
+        """Population standard deviation of field `i` (0 without values)."""
+        mean = self.mean(i)
+        if mean is None:
+            return 0.0
+        return math.sqrt(max(0.0, self.squares[i] / self.counts[i] - mean * mean))

@@ -1,6 +1,8 @@
 """Job figures for alerts and Prometheus, read from SQL: the age of the last golden-set check (a
-missed night fires GoldenCheckMissed), each level's latest golden drift and its 24 h mean, job
-runs by kind and status, and standing model flags."""
+missed night fires GoldenCheckMissed), each level's latest golden drift with its interval and
+status and the 24 h mean of its lower bound (GoldenDriftHigh reads the latest lower bound), job
+runs by kind and status, and standing model flags. Runs stored before the interval existed
+(corpus BLEU, another unit) are left out."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from sqlalchemy.orm import Session
 
 from alerts.samples import Sample, pipeline_sample
 from services.aggregator.metrics import AggregatorMetrics
-from services.storage.models import JOB_STATUSES
+from services.storage.models import GOLDEN_STATUSES, JOB_STATUSES, GoldenRun
 from services.storage.repository import (
     first_calibration_at,
     flags,
@@ -32,17 +34,7 @@ def job_samples(session: Session, now: datetime, metrics: AggregatorMetrics) -> 
     samples = [pipeline_sample("golden_check_age_s", age, component="golden")]
     if age is not None:
         metrics.gauge("golden_check_age_seconds").set(age)
-    latest: dict[tuple[str, str], float] = {}
-    day: dict[tuple[str, str], list[float]] = {}
-    for run in golden_runs_since(session, now - DAY):
-        key = (run.model_id, run.level)
-        latest[key] = run.drift_bleu
-        day.setdefault(key, []).append(run.drift_bleu)
-    for (model, level), drift in latest.items():
-        mean = sum(day[(model, level)]) / len(day[(model, level)])
-        metrics.gauge("golden_drift_bleu_points").labels(model, level).set(drift)
-        metrics.gauge("golden_drift_bleu_24h_points").labels(model, level).set(mean)
-        samples.append(pipeline_sample("golden_drift_bleu", drift, model=model, level=level))
+    samples.extend(_golden_samples(session, now, metrics))
     counts = job_counts(session)
     for kind in TASKS:
         for status in JOB_STATUSES:
@@ -51,3 +43,31 @@ def job_samples(session: Session, now: datetime, metrics: AggregatorMetrics) -> 
     for flag in flags(session):
         metrics.gauge("model_flag").labels(flag.model_id, flag.flag).set(1)
     return samples
+
+
+def _golden_samples(session: Session, now: datetime, metrics: AggregatorMetrics) -> list[Sample]:
+    latest: dict[tuple[str, str], GoldenRun] = {}
+    lows: dict[tuple[str, str], list[float]] = {}
+    for run in golden_runs_since(session, now - DAY):  # oldest first
+        if run.drift_low is None:
+            continue
+        key = (run.model_id, run.level)
+        latest[key] = run
+        lows.setdefault(key, []).append(run.drift_low)
+    samples = []
+    for (model, level), run in latest.items():
+        labels = (model, level)
+        metrics.gauge("golden_drift_points").labels(*labels).set(run.drift)
+        metrics.gauge("golden_drift_low_points").labels(*labels).set(_known(run.drift_low))
+        metrics.gauge("golden_drift_high_points").labels(*labels).set(_known(run.drift_high))
+        day = lows[(model, level)]
+        metrics.gauge("golden_drift_low_24h_points").labels(*labels).set(sum(day) / len(day))
+        for status in GOLDEN_STATUSES:
+            metrics.gauge("golden_drift_status").labels(*labels, status).set(run.status == status)
+        samples.append(pipeline_sample("golden_drift", run.drift, model=model, level=level))
+        samples.append(pipeline_sample("golden_drift_low", run.drift_low, model=model, level=level))
+    return samples
+
+
+def _known(value: float | None) -> float:
+    return float("nan") if value is None else value

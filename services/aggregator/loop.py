@@ -28,6 +28,7 @@ from services.aggregator.records import KafkaRecord, dead_letter_headers, parse_
 from services.aggregator.summary import WindowSummary
 from services.config import Settings
 from services.storage.repository import (
+    calibration_baselines,
     calibration_targets,
     insert_summaries,
     save_snapshots,
@@ -62,6 +63,7 @@ class Aggregator:
         self.key_partitions: dict[tuple[str, str], int] = {}
         self.owned: set[int] = set()
         self.targets: dict[str, float] = {}
+        self.baselines: dict[str, dict[str, Any] | None] = {}
         self.folded = 0
         # event time -> fold time of recent events, for the pipeline benchmark and /windows
         self.recent_latency_s: deque[float] = deque(maxlen=10_000)
@@ -125,7 +127,7 @@ class Aggregator:
         pick up calibration targets registered since."""
         self._last_snapshot = time.monotonic()
         with self.sessions() as session:
-            self.targets = calibration_targets(session)
+            self._read_calibrations(session)
         rows = [
             {
                 "model": model,
@@ -161,14 +163,21 @@ class Aggregator:
 
     def snapshot(self) -> dict[tuple[str, str], dict[str, WindowSummary]]:
         with self.lock:
-            return windows.snapshot(self.state, datetime.now(UTC), self.targets)
+            return windows.snapshot(
+                self.state, datetime.now(UTC), self.targets, self.baselines, self.settings.signals
+            )
+
+    def _read_calibrations(self, session: Session) -> None:
+        """Targets, and the baselines of versions registered since the last read."""
+        self.targets = calibration_targets(session)
+        self.baselines.update(calibration_baselines(session, self.baselines))
 
     def rebuild(self, partitions: set[int]) -> None:
         """Own exactly `partitions`: forget other keys, reload these from stored summaries."""
         since = datetime.now(UTC) - timedelta(seconds=max(windows.WINDOWS.values()))
         with self.sessions() as session:
             rows = summaries_since(session, since, partitions)
-            self.targets = calibration_targets(session)
+            self._read_calibrations(session)
         events = [TelemetryEvent.model_validate(row.event) for row in rows]
         with self.lock:
             self.owned = set(partitions)

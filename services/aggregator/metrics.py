@@ -27,17 +27,28 @@ WINDOW_GAUGES = {
     "activation_stability_mean": "sparseguard_window_activation_stability_percent",
     "gate_entropy_mean": "sparseguard_window_gate_entropy_ratio",
     "drift_kl_mean": "sparseguard_window_semantic_drift_kl",
+    "drift_samples": "sparseguard_window_semantic_drift_samples",
     "silence_spikes": "sparseguard_window_silence_spikes",
+    "silence_spike_share": "sparseguard_window_silence_spike_ratio",
     "cache_hit_rate_mean": "sparseguard_window_cache_hit_ratio",
+}
+# What each key's windows are compared with (services/aggregator/references.py), per signal.
+BASELINE_GAUGES = {
+    "baseline_center": "sparseguard_baseline_center",
+    "baseline_spread": "sparseguard_baseline_spread",
+    "baseline_tolerance": "sparseguard_baseline_tolerance",
+    "baseline_error": "sparseguard_baseline_error",
 }
 # Every alert metric name -> its exported Prometheus series (the window gauges, and the
 # pipeline series the gateway and the aggregator export), for `alerts.prometheus`.
 ALERT_SERIES: dict[str, str] = {
     **WINDOW_GAUGES,
+    **BASELINE_GAUGES,
     "consumer_lag_events": "sparseguard_aggregator_consumer_lag_events",
     "spool_bytes": "sparseguard_telemetry_spool_bytes",
     "golden_check_age_s": "sparseguard_golden_check_age_seconds",
-    "golden_drift_bleu": "sparseguard_golden_drift_bleu_points",
+    "golden_drift": "sparseguard_golden_drift_points",
+    "golden_drift_low": "sparseguard_golden_drift_low_points",
 }
 
 AGGREGATOR_METRICS = (
@@ -69,11 +80,23 @@ AGGREGATOR_METRICS = (
         )
         for field, name in WINDOW_GAUGES.items()
     ),
-    MetricSpec("golden_check_age_seconds", Gauge, "Seconds since the last golden-set check"),
-    MetricSpec(
-        "golden_drift_bleu_points", Gauge, "Latest golden-set BLEU drift (dense - sparse)", KEY
+    *(
+        MetricSpec(
+            name.removeprefix("sparseguard_"),
+            Gauge,
+            f"Window reference {field.removeprefix('baseline_')} per signal",
+            (*KEY, "signal"),
+        )
+        for field, name in BASELINE_GAUGES.items()
     ),
-    MetricSpec("golden_drift_bleu_24h_points", Gauge, "Mean golden-set BLEU drift over 24 h", KEY),
+    MetricSpec("golden_check_age_seconds", Gauge, "Seconds since the last golden-set check"),
+    MetricSpec("golden_drift_points", Gauge, "Latest golden-set drift (dense - sparse score)", KEY),
+    MetricSpec("golden_drift_low_points", Gauge, "Its 95 % interval's lower bound", KEY),
+    MetricSpec("golden_drift_high_points", Gauge, "Its 95 % interval's upper bound", KEY),
+    MetricSpec("golden_drift_low_24h_points", Gauge, "Mean lower bound over 24 h", KEY),
+    MetricSpec(
+        "golden_drift_status", Gauge, "Latest golden check status (1 = current)", (*KEY, "status")
+    ),
     MetricSpec(
         "job_runs", Gauge, "Background job runs stored, by kind and status", ("kind", "status")
     ),
@@ -93,6 +116,7 @@ class AggregatorMetrics:
         self.m = declare(registry, AGGREGATOR_METRICS)
         self._window_labels: set[tuple[str, ...]] = set()
         self._silence_labels: set[tuple[str, ...]] = set()
+        self._baseline_labels: set[tuple[str, ...]] = set()
 
     def counter(self, name: str) -> Counter:
         return cast(Counter, self.m[name])
@@ -135,16 +159,32 @@ class AggregatorMetrics:
         """Export the owned keys' windows; series of keys no longer owned are removed."""
         current: set[tuple[str, ...]] = set()
         silence: set[tuple[str, ...]] = set()
+        baseline: set[tuple[str, ...]] = set()
         for (model, level), by_window in windows.items():
             for window, summary in by_window.items():
                 current.add((model, level, window))
                 silence |= self._set_window((model, level, window), summary)
+                baseline |= self._set_references((model, level), summary)
+        for labels in self._baseline_labels - baseline:
+            for name in BASELINE_GAUGES.values():
+                self.gauge(name.removeprefix("sparseguard_")).remove(*labels)
+        self._baseline_labels = baseline
         for labels in self._window_labels - current:
             for name in WINDOW_GAUGES.values():
                 self.gauge(name.removeprefix("sparseguard_")).remove(*labels)
         for labels in self._silence_labels - silence:
             self.gauge("window_silence_rate_ratio").remove(*labels)
         self._window_labels, self._silence_labels = current, silence
+
+    def _set_references(self, key: tuple[str, str], summary: object) -> set[tuple[str, ...]]:
+        exported: set[tuple[str, ...]] = set()
+        refs: Mapping[str, object] = getattr(summary, "references", {}) or {}
+        for signal, ref in refs.items():
+            for field, name in BASELINE_GAUGES.items():
+                value = getattr(ref, field.removeprefix("baseline_"))
+                self.gauge(name.removeprefix("sparseguard_")).labels(*key, signal).set(value)
+            exported.add((*key, signal))
+        return exported
 
     def _set_window(self, labels: tuple[str, str, str], summary: object) -> set[tuple[str, ...]]:
         for field, name in WINDOW_GAUGES.items():

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any
 
 from services.aggregator.histograms import Quantiles
+from services.aggregator.references import Reference
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,11 +29,14 @@ class WindowSummary:
     drift_samples: int
     silence_rate_per_layer: list[float]
     silence_spikes: int
+    silence_spike_share: float | None
     trust_actions: dict[str, int]
     cache_hit_rate_mean: float | None
     ttft_ms: Quantiles | None
     latency_ms: Quantiles | None
     calibration_version: str | None
+    # What alert rules compare this window with, by name (services/aggregator/references.py).
+    references: dict[str, Reference] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: times as ISO 8601 UTC with Z, quantiles as nested objects."""
@@ -43,6 +47,8 @@ class WindowSummary:
                 value = value.isoformat().replace("+00:00", "Z")
             elif isinstance(value, Quantiles):
                 value = value.to_dict()
+            elif item.name == "references":
+                value = {name: ref.to_dict() for name, ref in value.items()}
             elif isinstance(value, list | dict):
                 value = copy.copy(value)
             out[item.name] = value

@@ -27,6 +27,7 @@ import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 from services.aggregator.buckets import (
     CACHE,
@@ -38,6 +39,7 @@ from services.aggregator.buckets import (
     Bucket,
     observe,
 )
+from services.aggregator.references import Reference, references
 from services.aggregator.summary import WindowSummary
 from services.config import SignalSettings
 from services.telemetry.schema import TelemetryEvent
@@ -45,6 +47,7 @@ from services.telemetry.schema import TelemetryEvent
 WINDOWS: dict[str, float] = {"5m": 300, "1h": 3600, "24h": 86400}
 DEFAULT_BUCKET_S: dict[str, float] = {"5m": 10, "1h": 60, "24h": 900}
 Key = tuple[str, str]  # (model, level), the telemetry partition key
+DENSE = "dense"
 
 
 @dataclass(frozen=True)
@@ -147,29 +150,75 @@ def _apply_one(state: State, event: TelemetryEvent) -> None:
 
 
 def snapshot(
-    state: State, now: datetime, targets: Mapping[str, float] | None = None
+    state: State,
+    now: datetime,
+    targets: Mapping[str, float] | None = None,
+    baselines: Mapping[str, Mapping[str, Any] | None] | None = None,
+    signals: SignalSettings | None = None,
 ) -> dict[Key, dict[str, WindowSummary]]:
-    """Every key's summary per window at `now` (timezone-aware). `targets` maps a calibration
-    version to its calibrated sparsity target, read for the key's latest version."""
+    """Every key's summary per window at `now` (timezone-aware). `targets` and `baselines`
+    map a calibration version to its calibrated sparsity target and its healthy baseline (the
+    artefact's JSON), read for the key's latest version; `signals` gives the published
+    numbers where no baseline exists (services/aggregator/references.py)."""
     if now.tzinfo is None:
         raise ValueError("now must be timezone-aware (pass datetime.now(UTC))")
     at = now.timestamp()
-    return {
-        key: {w: _summarize(w, ring, entry, at, targets or {}) for w, ring in entry.rings.items()}
-        for key, entry in state.keys.items()
-    }
+    found = {}
+    for key, entry in state.keys.items():
+        totals = {w: (ring, _total(ring, at)) for w, ring in entry.rings.items()}
+        version = entry.calibration[1] if entry.calibration else None
+        refs = _references(
+            key[1],
+            signals or SignalSettings(),
+            (baselines or {}).get(version) if version is not None else None,
+            (targets or {}).get(version) if version is not None else None,
+            totals.get("24h", (None, None))[1],
+        )
+        found[key] = {
+            w: _summarize(w, ring, total, at, version, refs, targets or {})
+            for w, (ring, total) in totals.items()
+        }
+    return found
 
 
-def _summarize(
-    window: str, ring: Ring, entry: KeyState, at: float, targets: Mapping[str, float]
-) -> WindowSummary:
+def _total(ring: Ring, at: float) -> Bucket:
     last = math.floor(at / ring.bucket_s)
     total = Bucket(last)
     for bucket in ring.covering(last):
         total.merge(bucket)
-    version = entry.calibration[1] if entry.calibration else None
+    return total
+
+
+def _references(
+    level: str,
+    signals: SignalSettings,
+    baseline: Mapping[str, Any] | None,
+    target: float | None,
+    day: Bucket | None,
+) -> dict[str, Reference]:
+    trailing = (
+        (0, None, 0.0) if day is None else (day.counts[CACHE], day.mean(CACHE), day.sd(CACHE))
+    )
+    refs = references(signals, baseline, target, trailing)
+    if level == DENSE:  # no sparsifier: no target, and no gate to judge
+        for name in ("sparsity", "gate_confidence", "gate_entropy"):
+            refs.pop(name, None)
+    return refs
+
+
+def _summarize(
+    window: str,
+    ring: Ring,
+    total: Bucket,
+    at: float,
+    version: str | None,
+    refs: dict[str, Reference],
+    targets: Mapping[str, float],
+) -> WindowSummary:
+    last = math.floor(at / ring.bucket_s)
     outside = total.gate_outside / total.counts[GATE] if total.counts[GATE] else None
     silence = zip(total.silence_sums, total.silence_counts, strict=True)
+    answered = total.requests - total.errors
     return WindowSummary(
         window=window,
         start=_utc((last - len(ring.slots) + 1) * ring.bucket_s),
@@ -187,11 +236,13 @@ def _summarize(
         drift_samples=total.counts[DRIFT],
         silence_rate_per_layer=[s / n if n else 0.0 for s, n in silence],
         silence_spikes=total.spikes,
+        silence_spike_share=total.spikes / answered if answered else None,
         trust_actions=dict(total.trust_actions),
         cache_hit_rate_mean=total.mean(CACHE),
         ttft_ms=total.ttft.quantiles(),
         latency_ms=total.latency.quantiles(),
         calibration_version=version,
+        references=refs,
     )
 
 

@@ -10,9 +10,11 @@ from tqdm import tqdm
 
 from services.cli.common import emit, emit_json, store
 from services.config import Settings
+from services.shared import baseline
 from services.shared.engine import load_served_model
 from services.storage.db import make_engine, session_factory, upgrade
 from services.storage.repository import calibration_row, upsert_calibration
+from sparse_engine.calibration.baseline import LevelBaseline
 from sparse_engine.calibration.pipeline import CalibrationConfig, calibrate, prepare_data
 from sparse_engine.calibration.store import Calibration
 from sparse_engine.data import corpora
@@ -31,6 +33,11 @@ def register(commands: Any) -> None:
     cal.add_argument("--sparsifier", choices=["threshold", "topk"], default="threshold")
     cal.add_argument("--roles", default="down", help="projections to sparsify, e.g. down,o,q,k,v")
     cal.add_argument("--if-missing", action="store_true", help="skip levels already calibrated")
+    cal.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="skip the healthy baseline pass (alarms then fall back to the published numbers)",
+    )
     cal.set_defaults(handler=run_calibrate)
 
     cals = commands.add_parser("calibrations", help="calibration artefacts").add_subparsers(
@@ -39,6 +46,12 @@ def register(commands: Any) -> None:
     cals.add_parser("list", help="list calibration versions").set_defaults(
         handler=list_calibrations
     )
+    base = cals.add_parser(
+        "baseline", help="measure the healthy baseline of the latest calibration per level"
+    )
+    base.add_argument("--level", action="append", help="level (repeatable, or 'all'; default all)")
+    base.add_argument("--model", help="model name, HF directory or GGUF file")
+    base.set_defaults(handler=run_baseline)
     show = cals.add_parser("show", help="show one calibration as JSON")
     show.add_argument("version")
     show.set_defaults(handler=show_calibration)
@@ -67,8 +80,26 @@ def run_calibrate(args: argparse.Namespace, settings: Settings) -> int:
         results = calibrate(lm, data, levels, cfg, progress=bar.update)
     for cal in results:
         store(settings).save(cal)
+    if not args.no_baseline:
+        baseline.attach(settings, lm, results)
+    for cal in results:
+        store(settings).save(cal)
         record_calibration(settings, cal, reason="cli")
         emit(describe(cal))
+    return 0
+
+
+def run_baseline(args: argparse.Namespace, settings: Settings) -> int:
+    """Measure baselines for calibrations made without one (or again, after a change)."""
+    levels = parse_levels(args.level or ["all"])
+    lm = load_served_model(settings, args.model)
+    cals = [store(settings).latest(lm.weights_sha256, level) for level in levels]
+    baseline.attach(settings, lm, cals)
+    for cal in cals:
+        store(settings).save(cal)
+        record_calibration(settings, cal, reason="cli")
+        measured = LevelBaseline.from_dict(cal.baseline or {})
+        emit(f"{cal.version}  {cal.level:12} baseline: {baseline.describe(measured)}")
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from typing import Any
@@ -22,3 +23,13 @@ def emit_json(value: Any) -> None:
 
 def store(settings: Settings) -> CalibrationStore:
     return CalibrationStore(settings.calibrations_dir)
+
+
+def eval_commands(commands: Any) -> Any:
+    """The `sparseguard eval` group's sub-commands (`eval trust`, `eval alerts`), made by the
+    first command module that asks."""
+    if "eval" not in commands.choices:
+        group = commands.add_parser("eval", help="evaluations of the service's own judgements")
+        group.add_subparsers(dest="target", required=True)
+    parser = commands.choices["eval"]
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

@@ -1,5 +1,5 @@
 """`sparseguard worker`, `sparseguard beat` and `sparseguard jobs ...`: run the Celery worker
-and beat, and enqueue, watch or run recalibrations and golden-set checks."""
+and beat, and enqueue, watch or run recalibrations, golden-set checks and trust fits."""
 
 from __future__ import annotations
 
@@ -44,6 +44,12 @@ def register(commands: Any) -> None:
     check.add_argument("--max-new-tokens", type=int, help="answer length (default: settings)")
     _run_options(check)
     check.set_defaults(handler=golden_check)
+    trust = job.add_parser("trust-fit", help="fit the trust model on a worker and publish it")
+    trust.add_argument("--n", type=int, help="QA items to answer (default 200)")
+    trust.add_argument("--level", help="level to answer at (default: settings)")
+    trust.add_argument("--if-missing", action="store_true", help="skip when the level has one")
+    _run_options(trust)
+    trust.set_defaults(handler=trust_fit)
     listing = job.add_parser("list", help="recent jobs")
     listing.add_argument("--limit", type=int, default=20)
     listing.set_defaults(handler=list_jobs)
@@ -106,6 +112,13 @@ def golden_check(args: argparse.Namespace, settings: Settings) -> int:
     return _submit(args, settings, "golden_check", params)
 
 
+def trust_fit(args: argparse.Namespace, settings: Settings) -> int:
+    level = args.level or settings.engine.default_level
+    return _submit(
+        args, settings, "trust_fit", {"n": args.n, "level": level, "if_missing": args.if_missing}
+    )
+
+
 def _submit(args: argparse.Namespace, settings: Settings, kind: str, params: dict[str, Any]) -> int:
     upgrade(settings.database_url)
     sessions = session_factory(make_engine(settings.database_url))
@@ -133,6 +146,7 @@ def _inline(settings: Settings, sessions: Any, kind: str, params: dict[str, Any]
     """Run the job in this process, recorded like any other."""
     from services.workers.drift import golden_check
     from services.workers.recalibration import recalibrate
+    from services.workers.trust_fit import fit_trust
 
     with sessions.begin() as session:
         job_id = jobs.create_job(session, kind, "operator", params).id
@@ -141,6 +155,8 @@ def _inline(settings: Settings, sessions: Any, kind: str, params: dict[str, Any]
     try:
         if kind == "recalibrate":
             result = recalibrate(settings, sessions, job)
+        elif kind == "trust_fit":
+            result = fit_trust(settings, job)
         else:
             result = golden_check(settings, sessions, make_celery(settings), job)
     except Exception as exc:

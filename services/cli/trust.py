@@ -1,5 +1,6 @@
 """`sparseguard trust fit` and `sparseguard eval trust`: fit the trust model on graded QA
-answers, and measure how well the trust score and each raw signal predict a wrong answer."""
+answers in the foreground (the same fit as the worker's `trust_fit` job, which `sparseguard up`
+queues), and measure how well the trust score and each raw signal predict a wrong answer."""
 
 from __future__ import annotations
 
@@ -9,14 +10,14 @@ from typing import Any
 
 from tqdm import tqdm
 
-from services.cli.common import emit, emit_json
+from services.cli.common import emit, emit_json, eval_commands
 from services.config import Settings
 from services.shared.engine import build_engine
+from services.workers.trust_fit import FitSpec, answers, fit_model
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.sparsity.plan import Level
-from sparse_engine.trust.evaluate import QARecord, RecordSet, collect
-from sparse_engine.trust.model import TrustModel, TrustStore, fit
-from sparse_engine.trust.qa import HALUEVAL, load_qa
+from sparse_engine.trust.model import TrustModel, TrustStore
+from sparse_engine.trust.qa import HALUEVAL
 from sparse_engine.trust.report import TrustReport, report
 
 log = logging.getLogger(__name__)
@@ -36,9 +37,7 @@ def register(commands: Any) -> None:
         "--if-missing", action="store_true", help="do nothing when a model for the level exists"
     )
     fitting.set_defaults(handler=fit_trust)
-    evaluate = commands.add_parser("eval", help="evaluations").add_subparsers(
-        dest="target", required=True
-    )
+    evaluate = eval_commands(commands)
     eval_trust = evaluate.add_parser("trust", help="AUROC of trust and signals for wrong answers")
     _data_args(eval_trust, offset=None, n=300)
     eval_trust.add_argument("--trust-model", help="trust model version (default: the latest)")
@@ -62,26 +61,18 @@ def _data_args(parser: argparse.ArgumentParser, offset: int | None, n: int) -> N
 
 
 def fit_trust(args: argparse.Namespace, settings: Settings) -> int:
+    spec = _spec(args, offset=0)
     eng = build_engine(settings, args.model)
     if args.if_missing:
         try:
-            found = TrustStore(settings.trust_dir).latest(eng.lm.model_id, args.level)
+            found = TrustStore(settings.trust_dir).latest(eng.lm.model_id, spec.level)
         except LookupError:
             pass
         else:
-            emit(f"trust model {found.version} exists for {args.level}; nothing to do")
+            emit(f"trust model {found.version} exists for {spec.level}; nothing to do")
             return 0
-    eng, records, level = _answers(args, settings, eng)
-    model = fit(
-        [r.signals for r in records],
-        [r.correct for r in records],
-        model_id=eng.lm.model_id,
-        level=level.value,
-        fit_data=_data_info(args, records),
-        l2=args.l2,
-        late_band=settings.signals.late_band,
-    )
-    model = TrustStore(settings.trust_dir).save(model)
+    with _bar(spec) as bar:
+        model, records = fit_model(settings, eng, spec, progress=bar.update)
     fitted = report(records, model, None, settings.signals.late_band)
     emit(
         f"trust model {model.version}: {len(records)} answers ({model.fit_data['right']} right), "
@@ -91,9 +82,13 @@ def fit_trust(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def eval_trust_score(args: argparse.Namespace, settings: Settings) -> int:
-    eng, records, _ = _answers(args, settings)
+    spec = _spec(args, offset=_default_offset(args.data))
+    eng = build_engine(settings, args.model)
+    with _bar(spec) as bar:
+        records = answers(settings, eng, spec, progress=bar.update)
     model = _trust_model(args, settings, eng)
-    result = report(records, model, _data_info(args, records), settings.signals.late_band)
+    info = {"data": spec.data, "offset": spec.offset, "n": len(records), "level": spec.level}
+    result = report(records, model, info, settings.signals.late_band)
     if args.json:
         emit_json(result.to_dict())
     else:
@@ -101,33 +96,23 @@ def eval_trust_score(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-def _answers(
-    args: argparse.Namespace, settings: Settings, eng: Engine | None = None
-) -> tuple[Engine, list[QARecord], Level]:
+def _spec(args: argparse.Namespace, offset: int) -> FitSpec:
+    """The fit or evaluation spec of the arguments (bad ones fail before the model loads)."""
     if args.n < 1:
         raise ValueError("--n must be at least 1")
-    items = load_qa(args.data, settings.cache_home)  # before the model loads: fail fast
-    offset = args.offset if args.offset is not None else _default_offset(args.data)
-    if offset < 0 or offset + args.n > len(items):
-        raise ValueError(
-            f"{args.data} has {len(items)} items; --offset {offset} --n {args.n} "
-            "reaches past the end"
-        )
-    level = Level.parse(args.level)
-    eng = eng or build_engine(settings, args.model)
-    plan = eng.plan(level)
-    records_at = RecordSet(
-        settings.trust_dir / "records",
-        args.data,
-        eng.lm.model_id,
-        plan.calibration_version or "dense",
-        args.max_new_tokens,
+    return FitSpec(
+        data=args.data,
+        n=args.n,
+        offset=args.offset if args.offset is not None else offset,
+        level=Level.parse(args.level).value,
+        max_new_tokens=args.max_new_tokens,
+        l2=getattr(args, "l2", None),
+        model=args.model,
     )
-    indices = range(offset, offset + args.n)
-    with tqdm(total=args.n, unit="answer", desc=f"answering {args.data} at {level.value}") as bar:
-        records = collect(eng, items, indices, level, records_at, progress=bar.update)
-    args.offset = offset
-    return eng, records, level
+
+
+def _bar(spec: FitSpec) -> tqdm[Any]:
+    return tqdm(total=spec.n, unit="answer", desc=f"answering {spec.data} at {spec.level}")
 
 
 def _default_offset(data: str) -> int:
@@ -143,10 +128,6 @@ def _trust_model(args: argparse.Namespace, settings: Settings, eng: Engine) -> T
     except LookupError as exc:
         log.warning("%s; reporting the rule-based score", exc)
         return None
-
-
-def _data_info(args: argparse.Namespace, records: list[QARecord]) -> dict[str, Any]:
-    return {"data": args.data, "offset": args.offset, "n": len(records), "level": args.level}
 
 
 def _print(r: TrustReport) -> None:

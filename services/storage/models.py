@@ -31,6 +31,7 @@ CALIBRATION_REASONS = ("alert", "schedule", "operator", "cli")
 ALERT_STATES = ("pending", "firing", "resolved")
 DELIVERY_STATUSES = ("pending", "delivered", "failed", "disabled")
 JOB_STATUSES = ("queued", "running", "succeeded", "failed")
+GOLDEN_STATUSES = ("ok", "inconclusive", "over-budget")  # services.workers.golden_score
 
 # Deterministic constraint names, so migrations (and SQLite batch rebuilds) can refer to them.
 NAMING_CONVENTION = {
@@ -235,20 +236,27 @@ class ModelFlag(Base):
 
 
 class GoldenRun(Base):
-    """One golden-set drift check: dense vs sparse answers under one calibration version."""
+    """One golden-set drift check: dense vs sparse answers under one calibration version,
+    scored per item against external references (`metric`: the items' metrics joined by "+";
+    "bleu-corpus" for runs stored before 0004, whose interval and status are None)."""
 
     __tablename__ = "golden_runs"
     __table_args__ = (
         Index("ix_golden_runs_model_id_level_created_at", "model_id", "level", "created_at"),
+        one_of("status", GOLDEN_STATUSES),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
     model_id: Mapped[str] = mapped_column(String)
     level: Mapped[str] = mapped_column(String)
     calibration_version: Mapped[str] = mapped_column(String)
-    bleu_dense: Mapped[float] = mapped_column(Float)
-    bleu_sparse: Mapped[float] = mapped_column(Float)
-    drift_bleu: Mapped[float] = mapped_column(Float)
+    metric: Mapped[str] = mapped_column(String)
+    score_dense: Mapped[float] = mapped_column(Float)  # mean per-item score, 0-100
+    score_sparse: Mapped[float] = mapped_column(Float)
+    drift: Mapped[float] = mapped_column(Float)  # mean paired difference, dense - sparse
+    drift_low: Mapped[float | None] = mapped_column(Float)  # its bootstrap 95 % interval
+    drift_high: Mapped[float | None] = mapped_column(Float)
+    status: Mapped[str | None] = mapped_column(String(16))  # against the budget of the day
     kl_mean: Mapped[float] = mapped_column(Float)
     answers_changed: Mapped[int]
     prompts: Mapped[int]

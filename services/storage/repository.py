@@ -4,6 +4,7 @@ They never commit: the caller owns the transaction (`with factory.begin() as ses
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from datetime import UTC, datetime
 from typing import Any
 
@@ -121,6 +122,17 @@ def calibration_targets(session: Session) -> dict[str, float]:
     return {version: target for version, target in rows}
 
 
+def calibration_baselines(
+    session: Session, known: Collection[str] = ()
+) -> dict[str, dict[str, Any] | None]:
+    """Calibration version -> its artefact's healthy baseline (None if it has none), for the
+    versions not in `known` (artefacts never change, so readers keep what they read)."""
+    query = select(CalibrationRecord.version, CalibrationRecord.artefact)
+    if known:
+        query = query.where(CalibrationRecord.version.not_in(list(known)))
+    return {version: artefact.get("baseline") for version, artefact in session.execute(query)}
+
+
 def set_flag(
     session: Session, model_id: str, flag: str, reason: str, details: dict[str, Any]
 ) -> None:
@@ -156,6 +168,13 @@ def golden_runs_since(session: Session, since: datetime) -> list[GoldenRun]:
 
 def last_golden_run_at(session: Session) -> datetime | None:
     return session.scalar(select(func.max(GoldenRun.created_at)))
+
+
+def latest_golden_runs(session: Session) -> list[GoldenRun]:
+    """The newest golden-set run of each (model, level), by model and level."""
+    newest = select(func.max(GoldenRun.id)).group_by(GoldenRun.model_id, GoldenRun.level)
+    statement = select(GoldenRun).where(GoldenRun.id.in_(newest), GoldenRun.drift_low.is_not(None))
+    return list(session.scalars(statement.order_by(GoldenRun.model_id, GoldenRun.level)))
 
 
 def first_calibration_at(session: Session) -> datetime | None:

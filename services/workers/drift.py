@@ -1,8 +1,10 @@
 """The golden-set drift check as a job: run dense and each sparse level over the golden set,
-store one run per level, and act. A level over the per-check budget (signals.drift_budget_bleu,
-BLEU points) raises the GoldenDriftHigh alert (the aggregator evaluates the stored runs); a 24 h
-average over signals.drift_recalibrate_bleu queues a recalibration of that level and raises the
-model's fine-tune flag."""
+store one run per level, and act. A level whose drift interval lies above the per-check budget
+(its lower bound over signals.drift_budget, in points of the per-item metric) is `over-budget`
+and raises the GoldenDriftHigh alert (the aggregator evaluates the stored runs); a 24 h mean of
+the lower bounds over signals.drift_recalibrate queues a recalibration of that level and raises
+the model's fine-tune flag. Keying both on the lower bound means a small golden set's noise
+alone never recalibrates: only drift the set can tell from zero does."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from services.config import Settings
 from services.shared.engine import build_engine
 from services.storage.repository import set_flag
 from services.workers import golden, jobs
+from services.workers.golden_score import LevelDrift
 from services.workers.golden_set import load_golden
 from services.workers.jobs import ClaimedJob
 from sparse_engine.sparsity.plan import Level
@@ -30,10 +33,7 @@ def golden_check(
     settings: Settings, sessions: sessionmaker[Session], celery: Celery, job: ClaimedJob
 ) -> dict[str, Any]:
     engine = build_engine(settings, job.params.get("model"))  # the decode path the gateway serves
-    if settings.jobs.golden_set is not None:
-        path = settings.golden_set_path
-    else:
-        path = golden.ensure_default_golden(settings, engine)
+    path = golden.ensure_default_golden(settings)  # a configured set must exist already
     items = load_golden(path)
     levels = [Level.parse(name) for name in job.params.get("levels") or settings.jobs.golden_levels]
     max_new_tokens = int(job.params.get("max_new_tokens") or settings.jobs.golden_max_new_tokens)
@@ -53,6 +53,7 @@ def golden_check(
         "golden_set": str(path),
         "prompts": len(items),
         "fast_path": fast_path,
+        "budget": settings.signals.drift_budget,
         "levels": by_level,
     }
 
@@ -61,34 +62,45 @@ def record(
     session: Session,
     settings: Settings,
     model_id: str,
-    results: list[golden.LevelDrift],
+    results: list[LevelDrift],
     job: ClaimedJob,
     now: datetime,
 ) -> dict[str, dict[str, Any]]:
-    """Store the runs; a level whose 24 h mean drift is over the limit raises the fine-tune flag
-    and gets a recalibration job (returned as `recalibration_job`, to be sent after the
-    commit) unless one was queued for it in the last 24 h. Returns the figures per level."""
-    golden.store_runs(session, model_id, results, now)
+    """Store the runs; a level whose 24 h mean interval lower bound is over the limit raises
+    the fine-tune flag and gets a recalibration job (returned as `recalibration_job`, to be
+    sent after the commit) unless one was queued for it in the last 24 h. Returns the figures
+    per level."""
+    signals = settings.signals
+    golden.store_runs(session, model_id, results, now, signals.drift_budget)
     by_level: dict[str, dict[str, Any]] = {}
     for result in results:
-        average = golden.drift_average(session, model_id, result.level, now - DAY)
-        figures: dict[str, Any] = {
-            "drift_bleu": round(result.drift_bleu, 3),
-            "drift_bleu_24h": None if average is None else round(average, 3),
-            "kl_mean": round(result.kl_mean, 4),
-            "answers_changed": result.answers_changed,
-            "over_budget": result.over_budget(settings.signals.drift_budget_bleu),
-        }
-        if average is not None and average > settings.signals.drift_recalibrate_bleu:
-            details = {"level": result.level, "drift_bleu_24h": average, "golden_job": job.id}
-            set_flag(session, model_id, "finetune", "golden-drift", details)
-            reason = f"golden-drift:{result.level}"
-            earlier = jobs.recent_job(session, "recalibrate", reason, now - DAY)
-            if earlier is not None:  # one drift recalibration a day per level is enough
-                figures["recalibration_job_earlier"] = earlier
-            else:
-                params = {"level": result.level, "model": job.params.get("model")}
-                made = jobs.create_job(session, "recalibrate", reason, params, job.trace_id)
-                figures["recalibration_job"] = made.id
+        average = golden.drift_low_average(session, model_id, result.level, now - DAY)
+        figures = _figures(result, average, signals.drift_budget)
+        if average is not None and average > signals.drift_recalibrate:
+            figures.update(_recalibrate(session, model_id, result.level, average, job, now))
         by_level[result.level] = figures
     return by_level
+
+
+def _figures(result: LevelDrift, low_24h: float | None, budget: float) -> dict[str, Any]:
+    return {
+        **result.figures(budget),
+        "drift_low_24h": None if low_24h is None else round(low_24h, 3),
+    }
+
+
+def _recalibrate(
+    session: Session, model_id: str, level: str, low_24h: float, job: ClaimedJob, now: datetime
+) -> dict[str, int]:
+    details = {"level": level, "drift_low_24h": low_24h, "golden_job": job.id}
+    set_flag(session, model_id, "finetune", "golden-drift", details)
+    reason = f"golden-drift:{level}"
+    earlier = jobs.recent_job(session, "recalibrate", reason, now - DAY)
+    if earlier is not None:  # one drift recalibration a day per level is enough
+        return {"recalibration_job_earlier": earlier}
+    params = {"level": level, "model": job.params.get("model")}
+    return {
+        "recalibration_job": jobs.create_job(
+            session, "recalibrate", reason, params, job.trace_id
+        ).id
+    }

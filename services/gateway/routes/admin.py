@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from services.gateway.deps import AdminDep, RuntimeDep
 from services.gateway.errors import ApiError
+from services.gateway.trust import serving_versions
 from services.storage.models import JobRun
 from services.workers.jobs import JobView, submit
 from sparse_engine.sparsity.plan import SPARSE_LEVELS, Level
@@ -33,7 +34,7 @@ class JobQueued(BaseModel):
 
 @router.get("/status")
 async def admin_status(rt: RuntimeDep, _: AdminDep) -> dict[str, object]:
-    """Operator view: calibration per level, queue, prefix cache, telemetry and control."""
+    """Operator view: calibration per level, queue, prefix cache, telemetry, control, trust."""
     cache = rt.engine.prefix_cache
     stats = getattr(rt.sink, "stats", None)
     return {
@@ -49,6 +50,8 @@ async def admin_status(rt: RuntimeDep, _: AdminDep) -> dict[str, object]:
         },
         "telemetry": dataclasses.asdict(stats()) if callable(stats) else None,
         "control_listener": rt.control.ready.is_set() if rt.control else None,
+        # None: no trust model yet, the rule score (1 - late-layer silence) is served.
+        "trust_models": serving_versions(rt.trust),
     }
 
 

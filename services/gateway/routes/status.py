@@ -1,8 +1,9 @@
 """The status page: GET /status serves the page (static, public, holds no data) and GET
 /status/data what it shows (admin key when keys are configured), read from SQL: the current
 windows, the last hour of 5-minute windows as series (sparsity, gate confidence, KL drift,
-per-layer silence), recent alerts and trust actions, calibration versions, and the versions
-this gateway serves now."""
+per-layer silence), recent alerts and trust actions, calibration versions, each level's latest
+golden-set check (drift, interval and status: ok, inconclusive or over-budget), and the
+versions this gateway serves now."""
 
 from __future__ import annotations
 
@@ -18,10 +19,13 @@ from pydantic import BaseModel, ConfigDict
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
+from alerts.definitions import Rule
+from alerts.rules import DEFAULT_RULES, load_rules
 from services.aggregator.windows import WINDOWS
-from services.config import SignalSettings
+from services.config import Settings
 from services.gateway.deps import AdminDep, RuntimeDep
 from services.gateway.errors import ApiError
+from services.gateway.status_marks import window_marks
 from services.storage import repository
 from services.storage.models import AlertRecord, WindowSnapshot
 
@@ -60,6 +64,8 @@ class WindowRow(BaseModel):
     latency_p50_ms: float | None
     latency_p99_ms: float | None
     calibration_version: str | None
+    # Metric -> "bad" where the window's alert rule holds (services/gateway/status_marks.py).
+    marks: dict[str, str] = {}
 
 
 class Point(BaseModel):
@@ -110,6 +116,22 @@ class CalibrationView(BaseModel):
     reason: str | None
 
 
+class GoldenView(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+    model_id: str
+    level: str
+    calibration_version: str
+    created_at: datetime
+    metric: str
+    drift: float  # points of the golden metric, dense - sparse
+    drift_low: float | None
+    drift_high: float | None
+    status: str | None  # ok | inconclusive | over-budget
+    answers_changed: int
+    prompts: int
+    kl_mean: float
+
+
 class Serving(BaseModel):
     model: str
     mode: str
@@ -127,6 +149,7 @@ class StatusData(BaseModel):
     alerts: list[AlertView]
     trust_actions: list[TrustActionView]
     calibrations: list[CalibrationView]
+    golden: list[GoldenView]
 
 
 @router.get("", response_class=HTMLResponse, include_in_schema=False)
@@ -148,15 +171,17 @@ def status_data(rt: RuntimeDep, _: AdminDep, response: Response) -> StatusData:
     try:
         sessions, _celery = rt.jobs.open()
         with sessions() as session:
-            return _read(session, now, serving, rt.settings.signals)
+            return _read(session, now, serving, rt.settings)
     except SQLAlchemyError:
         log.exception("status data: the database could not be read")
         raise ApiError(503, "the status database cannot be read; see the gateway log") from None
 
 
-def _read(session: Session, now: datetime, serving: Serving, signals: SignalSettings) -> StatusData:
+def _read(session: Session, now: datetime, serving: Serving, settings: Settings) -> StatusData:
+    signals = settings.signals
     current = repository.current_snapshots(session, now - RECENT_SPAN)
-    windows = sorted(map(_window_row, current), key=_window_order)
+    rules = load_rules(settings.alerts.rules_file or DEFAULT_RULES, signals.as_thresholds())
+    windows = sorted((_window_row(s, rules) for s in current), key=_window_order)
     history = repository.snapshots_since(session, SERIES_WINDOW, now - SERIES_SPAN)
     trust = repository.recent_trust_actions(session, now - RECENT_SPAN)
     return StatusData(
@@ -172,11 +197,13 @@ def _read(session: Session, now: datetime, serving: Serving, signals: SignalSett
         calibrations=[
             CalibrationView.model_validate(c) for c in repository.recent_calibrations(session)
         ],
+        golden=[GoldenView.model_validate(g) for g in repository.latest_golden_runs(session)],
     )
 
 
-def _window_row(snapshot: WindowSnapshot) -> WindowRow:
+def _window_row(snapshot: WindowSnapshot, rules: list[Rule]) -> WindowRow:
     data = snapshot.data
+    labels = {"model": snapshot.model, "level": snapshot.level, "window": snapshot.window}
     latency = data.get("latency_ms") or {}
     return WindowRow(
         model=snapshot.model,
@@ -194,6 +221,7 @@ def _window_row(snapshot: WindowSnapshot) -> WindowRow:
         latency_p50_ms=latency.get("p50"),
         latency_p99_ms=latency.get("p99"),
         calibration_version=data.get("calibration_version"),
+        marks=window_marks(labels, data, rules),
     )
 
 

@@ -1,6 +1,8 @@
-"""ControlListener: a daemon thread that follows the control topic and installs each new
-calibration published for this gateway's model weights, so a new version is served without a
-restart. Requests already admitted keep the plan they were pinned to."""
+"""ControlListener: a daemon thread that follows the control topic and installs what is
+published for this gateway's model without a restart: each new calibration for its weights
+(requests already admitted keep the plan they were pinned to), and each new trust model for its
+model id (handed to `on_trust_model`, which swaps the judge for requests that start afterwards).
+Both are kept in the local stores, so a restarted gateway starts on them."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Callable
 from contextlib import closing
 from typing import Any
 
@@ -15,11 +18,13 @@ from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 from prometheus_client import Counter
 
 from services.config import Settings
-from services.telemetry.control import decode
+from services.telemetry.control import CalibrationPublished, decode
 from services.telemetry.delivery import is_reachable, servers
 from services.telemetry.topics import ensure_topics, topic_specs
 from sparse_engine.calibration.store import Calibration, CalibrationNotFoundError, CalibrationStore
+from sparse_engine.jsonstore import JsonStore
 from sparse_engine.runtime.engine import Engine
+from sparse_engine.trust.model import TrustModel, TrustModelNotFoundError, TrustStore
 
 log = logging.getLogger(__name__)
 
@@ -35,18 +40,27 @@ TIMEOUTS: dict[str, Any] = {
 }
 # The version names the artefact's file in the store: nothing that could leave its directory.
 SAFE_VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+TrustModelHandler = Callable[[TrustModel, str], None]  # (model, reason)
 
 
 class ControlListener:
     """Reads partition 0 of the control topic without a consumer group, from the end: only
-    calibrations published while the gateway runs matter (older ones are in the local store).
+    artefacts published while the gateway runs matter (older ones are in the local stores).
     `ready` is set once the listener is positioned; a broker outage is retried with backoff."""
 
-    def __init__(self, settings: Settings, engine: Engine, reloads: Counter) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        engine: Engine,
+        reloads: Counter,
+        on_trust_model: TrustModelHandler | None = None,
+    ) -> None:
         self._telemetry = settings.telemetry
         self._store = CalibrationStore(settings.calibrations_dir)
+        self._trust_dir = settings.trust_dir
         self._engine = engine
         self._reloads = reloads
+        self._on_trust_model = on_trust_model
         self._partition = TopicPartition(settings.telemetry.control_topic, 0)
         self._next_offset: int | None = None
         self._seen_topic_id: str | None = None
@@ -144,8 +158,10 @@ class ControlListener:
     def _handle(self, value: bytes | None, offset: int) -> None:
         try:
             message = decode(value or b"")
-            if message is not None:
+            if isinstance(message, CalibrationPublished):
                 self._apply(message.calibration, message.reason)
+            elif message is not None:
+                self._apply_trust(message.model, message.reason)
         except Exception as exc:  # one bad message must not stop the ones after it
             log.warning("skipped control message at offset %d: %s", offset, exc)
 
@@ -181,3 +197,22 @@ class ControlListener:
                 self._store.save(cal)
             except OSError:
                 log.exception("could not save calibration %s locally", cal.version)
+
+    def _apply_trust(self, model: TrustModel, reason: str) -> None:
+        if model.model_id != self._engine.lm.model_id or self._on_trust_model is None:
+            return  # another model's, or nobody here scores trust
+        if not SAFE_VERSION.fullmatch(model.version):
+            raise ValueError(f"trust model version {model.version!r} is not a safe file name")
+        self._keep_trust(model)  # first: a restart, and the judge rebuilt from the store, see it
+        self._on_trust_model(model, reason)
+
+    def _keep_trust(self, model: TrustModel) -> None:
+        """Save the trust model under its published version (the store is only the gateway's
+        memory across restarts: an unwritable one costs nothing else)."""
+        try:
+            TrustStore(self._trust_dir).load(model.version)
+        except TrustModelNotFoundError:
+            try:
+                JsonStore(self._trust_dir).save(model.version, model.to_dict())
+            except OSError:
+                log.exception("could not save trust model %s locally", model.version)

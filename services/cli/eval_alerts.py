@@ -1,0 +1,147 @@
+"""`sparseguard eval alerts`: measure healthy and faulty requests on the real model, replay them
+on event time through the real fold and alert evaluator, and report per rule (precision,
+recall, detection and reset time) and per reason (share of healthy requests), as a table or
+`--json`. Measured pools are kept under <home>/eval, keyed by the calibration versions, so a
+rerun with other rule settings replays in seconds (`--remeasure` measures again)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import pickle
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from alerts.rules import DEFAULT_RULES, load_rules
+from services.cli.common import emit, emit_json, eval_commands, store
+from services.cli.eval_report import render
+from services.config import Settings
+from services.gateway.reasons import BaselineBook
+from services.gateway.trust import load_judge
+from services.replay.measure import FAULTS, Measured, Measurer, sampled_drift
+from services.replay.replay import Calibrations
+from services.replay.study import StudyConfig, run_study
+from services.shared.engine import load_served_model
+from sparse_engine.sparsity.plan import Level
+
+log = logging.getLogger(__name__)
+POOL_FORMAT = 1
+
+
+def register(commands: Any) -> None:
+    cmd = eval_commands(commands).add_parser(
+        "alerts", help="replay healthy and faulty telemetry through the alerts"
+    )
+    cmd.add_argument("--healthy", type=int, default=100, help="measured requests per level")
+    cmd.add_argument("--faulty", type=int, default=60, help="measured requests per fault")
+    cmd.add_argument("--fault-level", default=Level.BALANCED.value)
+    cmd.add_argument("--rate", type=float, default=30.0, help="requests per minute per level")
+    cmd.add_argument("--healthy-hours", type=float, default=2.0)
+    cmd.add_argument("--faults", default=",".join(FAULTS), help="comma-separated fault names")
+    cmd.add_argument("--remeasure", action="store_true", help="ignore the kept measurements")
+    cmd.add_argument("--json", action="store_true", help="print the figures as JSON")
+    cmd.set_defaults(handler=run_eval_alerts)
+
+
+def run_eval_alerts(args: argparse.Namespace, settings: Settings) -> int:
+    faults = [f.strip() for f in args.faults.split(",") if f.strip()]
+    unknown = sorted(set(faults) - set(FAULTS))
+    if unknown:
+        raise ValueError(f"unknown faults {unknown}; choose from {', '.join(FAULTS)}")
+    fault_level = Level.parse(args.fault_level)
+    if fault_level is Level.DENSE:
+        raise ValueError("inject faults at a sparse level (the dense level has no gate)")
+    lm = load_served_model(settings)
+    cals = {lv: store(settings).latest(lm.weights_sha256, lv) for lv in _sparse_levels()}
+    if any(c.baseline is None for c in cals.values()):
+        raise ValueError(
+            "the latest calibrations have no healthy baseline; run "
+            "`sparseguard calibrations baseline` (or calibrate again)"
+        )
+    pools = _pools(args, settings, lm, [c.version for c in cals.values()], faults, fault_level)
+    healthy = {
+        level: sampled_drift(pool, settings.engine.drift_sample_rate)
+        for level, pool in pools["healthy"].items()
+    }
+    measured_faults = {
+        f: sampled_drift(pools["faults"][f], settings.engine.drift_sample_rate) for f in faults
+    }
+    calibrations = Calibrations(
+        targets={c.version: c.target_sparsity for c in cals.values()},
+        baselines={c.version: c.baseline for c in cals.values()},
+    )
+    rules_file = settings.alerts.rules_file or DEFAULT_RULES
+    rules = load_rules(rules_file, settings.signals.as_thresholds())
+    cfg = StudyConfig(args.rate, args.healthy_hours, fault_level.value)
+    figures = run_study(settings, rules, healthy, measured_faults, calibrations, lm.model_id, cfg)
+    figures["measured"] = {
+        "healthy_per_level": args.healthy,
+        "faulty_per_fault": args.faulty,
+        "calibrations": {c.level: c.version for c in cals.values()},
+        "max_new_tokens": settings.engine.baseline_max_new_tokens,
+    }
+    if args.json:
+        emit_json(figures)
+    else:
+        emit(render(figures, settings.signals.reason_budget))
+    return 0
+
+
+def _sparse_levels() -> list[Level]:
+    return [lv for lv in Level if lv is not Level.DENSE]
+
+
+def _pools(
+    args: argparse.Namespace,
+    settings: Settings,
+    lm: Any,
+    versions: list[str],
+    faults: list[str],
+    fault_level: Level,
+) -> dict[str, Any]:
+    path = _pool_path(settings, versions, args, fault_level)
+    kept: dict[str, Any] = {"healthy": {}, "faults": {}}
+    if path.is_file() and not args.remeasure:
+        kept = pickle.loads(path.read_bytes())  # our own file, written below
+    judge = load_judge(settings, lm.model_id)
+    judge.book = BaselineBook(store(settings))
+    total = len(Level) * args.healthy * ("dense" not in kept["healthy"])
+    total += args.faulty * sum(f not in kept["faults"] for f in faults)
+    with tqdm(total=total, desc="measuring requests", unit="req") as bar:
+        measurer = Measurer(settings, lm, judge, bar.update)
+        for level in Level:
+            if level.value not in kept["healthy"]:
+                kept["healthy"][level.value] = _light(measurer.healthy(level, args.healthy))
+        for fault in faults:
+            if fault not in kept["faults"]:
+                kept["faults"][fault] = _light(measurer.fault(fault, fault_level, args.faulty))
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(pickle.dumps(kept))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(pickle.dumps(kept))
+    return kept
+
+
+def _pool_path(
+    settings: Settings, versions: list[str], args: argparse.Namespace, level: Level
+) -> Path:
+    name = "-".join(v.rsplit("-", 1)[-1] for v in versions)
+    tokens = settings.engine.baseline_max_new_tokens
+    return (
+        settings.home
+        / "eval"
+        / f"alerts-v{POOL_FORMAT}-{name}-{args.healthy}x{args.faulty}-{level.value}-{tokens}.pkl"
+    )
+
+
+def _light(measured: list[Measured]) -> list[Measured]:
+    """Without the per-channel tensors (the trust judge has read them already)."""
+    return [
+        replace(m, stats=replace(m.stats, signals=replace(m.stats.signals, answer_channels=None)))
+        if m.stats.signals is not None
+        else m
+        for m in measured
+    ]

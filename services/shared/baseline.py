@@ -1,0 +1,64 @@
+"""The baseline pass that ends a calibration (CLI and recalibration job): healthy held-out
+prompts through the engine as served with the new plans, at each new level and at dense, and
+each level's baseline stored in its artefact (`Calibration.baseline`, `.dense_baseline`)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from services.config import Settings
+from services.shared.engine import build_engine
+from sparse_engine.calibration.baseline import LevelBaseline, run_prompts, summarise
+from sparse_engine.calibration.store import Calibration
+from sparse_engine.data import traffic
+from sparse_engine.model.loader import LoadedModel
+from sparse_engine.sparsity.plan import Level
+
+log = logging.getLogger(__name__)
+
+
+def baseline_prompts(settings: Settings) -> list[traffic.Prompt]:
+    """The baseline half of the configured healthy kinds, with the shared system prompt on
+    every other request (chat products send one; the prefix cache sees both)."""
+    cfg = settings.engine
+    prompts = traffic.mix(
+        tuple(cfg.baseline_kinds), settings.cache_home, "baseline", cfg.baseline_requests
+    )
+    shared = traffic.with_system(prompts[::2])
+    return [shared[i // 2] if i % 2 == 0 else p for i, p in enumerate(prompts)]
+
+
+def measure(
+    settings: Settings, lm: LoadedModel, levels: Sequence[Level], prompts: list[traffic.Prompt]
+) -> dict[Level, LevelBaseline]:
+    """Each level's baseline on the engine as served (the calibrations of `levels` must be
+    in the store already: the engine loads the latest plans)."""
+    engine = build_engine(settings, lm, prefix_cache=True)
+    tokens = settings.engine.baseline_max_new_tokens
+    found = {}
+    with tqdm(total=len(levels) * len(prompts), desc="baseline pass", unit="req") as bar:
+        for level in levels:
+            answers = run_prompts(engine, level, prompts, tokens, progress=bar.update)
+            found[level] = summarise(level, prompts, answers, tokens, settings.signals.late_band)
+            log.info("%s baseline: %s", level.value, describe(found[level]))
+    return found
+
+
+def attach(settings: Settings, lm: LoadedModel, cals: Sequence[Calibration]) -> None:
+    """Measure and store the baselines of `cals` (saved already) and of the dense level."""
+    levels = [Level.parse(c.level) for c in cals]
+    found = measure(settings, lm, [Level.DENSE, *levels], baseline_prompts(settings))
+    dense = found[Level.DENSE].to_dict()
+    for cal, level in zip(cals, levels, strict=True):
+        cal.baseline = found[level].to_dict()
+        cal.dense_baseline = dense
+
+
+def describe(baseline: LevelBaseline) -> str:
+    parts = [f"{baseline.requests} requests"]
+    for name, stats in baseline.signals.items():
+        parts.append(f"{name} {stats.median:.3f} (sd {stats.sd:.3f}, tol {stats.tolerance:.3f})")
+    return "; ".join(parts)

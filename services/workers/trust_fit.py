@@ -1,0 +1,167 @@
+"""Fitting the trust model: answer graded QA items at a level, fit the logistic model on their
+signals, save it. `sparseguard trust fit` runs it in the foreground; the Celery `trust_fit` job
+(`fit_trust`, queued by `sparseguard up` when the served model has none) runs it after the
+stack is up and publishes the model on the control topic, where every gateway serving the
+model installs it without a restart.
+
+A job makes at most one model: the model records its job id, so a retried job finds it and only
+publishes it again. With `if_missing`, a job for a model and level that already has one does
+nothing, so a second job queued before the first finished costs only a model load."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from services.config import Settings
+from services.shared.engine import build_engine
+from services.telemetry.control import publish_trust_model
+from services.workers.jobs import ClaimedJob
+from sparse_engine.jsonstore import JsonStore
+from sparse_engine.runtime.engine import Engine
+from sparse_engine.sparsity.plan import Level
+from sparse_engine.data import traffic
+from sparse_engine.trust.evaluate import QARecord, RecordSet, collect
+from sparse_engine.trust.flagging import healthy_signals, set_flag_threshold
+from sparse_engine.trust.model import TrustModel, TrustModelNotFoundError, TrustStore, fit
+from sparse_engine.trust.qa import HALUEVAL, load_qa
+
+log = logging.getLogger(__name__)
+LOG_EVERY = 25  # answers between progress lines in a worker's log
+Progress = Callable[[int], object]
+
+
+class FitSpec(BaseModel):
+    """What to answer and fit on; a job's params are these fields (all optional)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    data: str = HALUEVAL  # 'halueval' or a QA JSONL file
+    n: int = Field(200, ge=1)
+    offset: int = Field(0, ge=0)
+    level: str = "balanced"
+    max_new_tokens: int = Field(32, ge=1)
+    l2: float | None = Field(None, gt=0)
+    model: str | None = None  # default: the served model
+    if_missing: bool = False
+
+    @field_validator("level")
+    @classmethod
+    def _known_level(cls, level: str) -> str:
+        return Level.parse(level).value  # fails before the model loads
+
+    def params(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+
+def answers(
+    settings: Settings, eng: Engine, spec: FitSpec, progress: Progress = lambda _: None
+) -> list[QARecord]:
+    """Graded answers to items offset .. offset + n (cached under the trust directory, so an
+    interrupted run resumes where it stopped)."""
+    items = load_qa(spec.data, settings.cache_home)
+    if spec.offset < 0 or spec.offset + spec.n > len(items):
+        raise ValueError(
+            f"{spec.data} has {len(items)} items; offset {spec.offset} + n {spec.n} reaches "
+            "past the end"
+        )
+    level = Level.parse(spec.level)
+    plan = eng.plan(level)
+    records_at = RecordSet(
+        settings.trust_dir / "records",
+        spec.data,
+        eng.lm.model_id,
+        plan.calibration_version or "dense",
+        spec.max_new_tokens,
+    )
+    indices = range(spec.offset, spec.offset + spec.n)
+    return collect(eng, items, indices, level, records_at, progress=progress)
+
+
+def fit_model(
+    settings: Settings,
+    eng: Engine,
+    spec: FitSpec,
+    extra: dict[str, Any] | None = None,
+    progress: Progress = lambda _: None,
+) -> tuple[TrustModel, list[QARecord]]:
+    """Answer, fit, set the flag threshold on healthy chat answers (`trust.flagging`) and
+    save; `extra` goes into the model's fit_data."""
+    records = answers(settings, eng, spec, progress)
+    model = fit(
+        [r.signals for r in records],
+        [r.correct for r in records],
+        model_id=eng.lm.model_id,
+        level=spec.level,
+        fit_data={
+            "data": spec.data,
+            "offset": spec.offset,
+            "n": len(records),
+            "level": spec.level,
+            **(extra or {}),
+        },
+        l2=spec.l2,
+        late_band=settings.signals.late_band,
+    )
+    chat = traffic.healthy("chat", settings.cache_home, "baseline", settings.trust.flag_requests)
+    healthy = healthy_signals(eng, Level.parse(spec.level), chat, spec.max_new_tokens, progress)
+    set_flag_threshold(model, healthy, settings.trust.flag_budget, route="chat")
+    return TrustStore(settings.trust_dir).save(model), records
+
+
+def fit_trust(settings: Settings, job: ClaimedJob, engine: Engine | None = None) -> dict[str, Any]:
+    """The `trust_fit` job: fit (unless `if_missing` finds one, or this job already made one)
+    and publish the model on the control topic. `engine`: the one to answer with (default:
+    the served model as the gateway builds it)."""
+    spec = FitSpec.model_validate(job.params)  # ValidationError: a ValueError
+    eng = engine or build_engine(settings, spec.model)
+    model = made_by(settings, job.id)
+    if model is None and spec.if_missing:
+        existing = _existing(settings, eng.lm.model_id, spec.level)
+        if existing is not None:
+            log.info("job %d: trust model %s exists; nothing to do", job.id, existing.version)
+            return {"version": existing.version, "skipped": True}
+    if model is None:
+        log.info("job %d: answering %d %s items at %s", job.id, spec.n, spec.data, spec.level)
+        extra = {"job_id": job.id, "reason": job.reason}
+        model, _ = fit_model(settings, eng, spec, extra, _log_progress(job.id, spec.n))
+    else:
+        log.info("job %d already made %s; publishing it", job.id, model.version)
+    publish_trust_model(settings.telemetry, model, job.reason)
+    log.info("published trust model %s (%s)", model.version, job.reason)
+    return {
+        "version": model.version,
+        "model": model.model_id,
+        "level": model.level,
+        "items": model.fit_data["items"],
+        "right": model.fit_data["right"],
+        "cv_auroc": model.fit_data["cv_auroc"],
+    }
+
+
+def made_by(settings: Settings, job_id: int) -> TrustModel | None:
+    """The trust model that job `job_id` saved, if any."""
+    for data in JsonStore(settings.trust_dir).all("trust-*.json"):
+        if data.get("fit_data", {}).get("job_id") == job_id:
+            return TrustModel.from_dict(data)
+    return None
+
+
+def _existing(settings: Settings, model_id: str, level: str) -> TrustModel | None:
+    try:
+        return TrustStore(settings.trust_dir).latest(model_id, level)
+    except TrustModelNotFoundError:
+        return None
+
+
+def _log_progress(job_id: int, total: int) -> Progress:
+    done = [0]
+
+    def step(count: int) -> None:
+        done[0] += count
+        if done[0] % LOG_EVERY == 0 or done[0] == total:
+            log.info("job %d: %d/%d answers", job_id, done[0], total)
+
+    return step

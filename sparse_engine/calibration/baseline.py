@@ -1,0 +1,215 @@
+"""The healthy baseline of one level: healthy prompts of several kinds through the engine as
+served, every per-request signal recorded, and per signal the distribution that says how
+unusual a value is (a conformal p-value against the sorted sample), its robust statistics, and
+the tolerance a window mean needs (how far the mean of one healthy kind of traffic moved from
+the mean of all kinds).
+
+The baseline is part of a calibration artefact (plain JSON, `LevelBaseline.to_dict`), so it is
+versioned with the plan and travels with it on the control topic."""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from sparse_engine.data.traffic import Prompt
+from sparse_engine.runtime.engine import Engine
+from sparse_engine.runtime.generation import GenerationRequest, GenerationStats
+from sparse_engine.sparsity.plan import Level
+
+log = logging.getLogger(__name__)
+
+# Per-request signals a baseline describes (names of `request_values` keys).
+SIGNALS = (
+    "sparsity_ratio",
+    "gate_confidence",
+    "gate_entropy",
+    "activation_stability_pct",
+    "late_silence",
+    "semantic_drift_kl",
+    "decode_tokens_per_s",
+)
+QUANTILES = 100  # the stored quantiles: 0, 1/100, ..., 1
+LATE_BAND = 3
+
+
+@dataclass(frozen=True, slots=True)
+class SignalBaseline:
+    """One signal's healthy distribution."""
+
+    n: int
+    mean: float
+    sd: float
+    median: float
+    mad: float  # median absolute deviation, scaled to the sd of a normal distribution
+    tolerance: float  # largest |mean of one kind - mean of all|
+    kind_means: dict[str, float]
+    quantiles: list[float]
+    values: list[float]  # the sorted sample
+
+    @classmethod
+    def of(cls, by_kind: dict[str, list[float]]) -> SignalBaseline:
+        values = sorted(round(v, 6) for vs in by_kind.values() for v in vs)
+        if not values:
+            raise ValueError("a signal baseline needs at least one value")
+        mean = statistics.fmean(values)
+        median = statistics.median(values)
+        kind_means = {k: statistics.fmean(vs) for k, vs in by_kind.items() if vs}
+        return cls(
+            n=len(values),
+            mean=mean,
+            sd=statistics.pstdev(values),
+            median=median,
+            mad=1.4826 * statistics.median(abs(v - median) for v in values),
+            tolerance=max(abs(m - mean) for m in kind_means.values()),
+            kind_means=kind_means,
+            quantiles=[_quantile(values, i / QUANTILES) for i in range(QUANTILES + 1)],
+            values=values,
+        )
+
+    def p_above(self, value: float) -> float:
+        """Conformal p-value of `value` being this high: (1 + #{healthy >= value}) / (n + 1).
+        On healthy traffic exchangeable with the sample, P(p <= a) <= a for every a."""
+        at_least = self.n - bisect.bisect_left(self.values, value)
+        return (1 + at_least) / (self.n + 1)
+
+    def p_below(self, value: float) -> float:
+        at_most = bisect.bisect_right(self.values, value)
+        return (1 + at_most) / (self.n + 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SignalBaseline:
+        return cls(**data)
+
+
+@dataclass(frozen=True, slots=True)
+class LevelBaseline:
+    """Every signal's healthy distribution at one level, and how it was measured."""
+
+    level: str
+    requests: int
+    kinds: list[str]
+    max_new_tokens: int
+    signals: dict[str, SignalBaseline]
+    silence_per_layer: list[SignalBaseline] = field(default_factory=list)
+    sparsity_per_layer: list[SignalBaseline] = field(default_factory=list)
+
+    def get(self, signal: str) -> SignalBaseline | None:
+        return self.signals.get(signal)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "level": self.level,
+            "requests": self.requests,
+            "kinds": self.kinds,
+            "max_new_tokens": self.max_new_tokens,
+            "signals": {k: v.to_dict() for k, v in self.signals.items()},
+            "silence_per_layer": [s.to_dict() for s in self.silence_per_layer],
+            "sparsity_per_layer": [s.to_dict() for s in self.sparsity_per_layer],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LevelBaseline:
+        return cls(
+            level=data["level"],
+            requests=data["requests"],
+            kinds=list(data["kinds"]),
+            max_new_tokens=data["max_new_tokens"],
+            signals={k: SignalBaseline.from_dict(v) for k, v in data["signals"].items()},
+            silence_per_layer=[SignalBaseline.from_dict(s) for s in data["silence_per_layer"]],
+            sparsity_per_layer=[SignalBaseline.from_dict(s) for s in data["sparsity_per_layer"]],
+        )
+
+
+def request_values(stats: GenerationStats, late_band: int = LATE_BAND) -> dict[str, float]:
+    """The scalar signals of one answer (a signal the request did not measure is left out)."""
+    found: dict[str, float] = {"decode_tokens_per_s": stats.decode_tokens_per_s}
+    s = stats.signals
+    if s is not None:
+        band = s.silence_rate_per_layer[-late_band:]
+        found.update(
+            sparsity_ratio=s.sparsity_ratio,
+            gate_confidence=s.gate_confidence,
+            gate_entropy=s.gate_entropy,
+            activation_stability_pct=s.activation_stability_pct,
+            late_silence=sum(band) / len(band) if band else 0.0,
+        )
+    if stats.semantic_drift_kl is not None:
+        found["semantic_drift_kl"] = stats.semantic_drift_kl
+    return {k: v for k, v in found.items() if math.isfinite(v)}
+
+
+def run_prompts(
+    engine: Engine,
+    level: Level,
+    prompts: Sequence[Prompt],
+    max_new_tokens: int,
+    measure_drift: bool = True,
+    progress: Callable[[int], None] | None = None,
+) -> list[GenerationStats]:
+    """Each prompt's greedy answer at `level`, with its signals, as the gateway asks for them
+    (the prefix cache on, so shared prefixes hit as they do when served)."""
+    found = []
+    for prompt in prompts:
+        request = GenerationRequest(
+            messages=prompt.messages(),
+            max_new_tokens=max_new_tokens,
+            temperature=0.0,
+            measure_drift=measure_drift and level is not Level.DENSE,
+        )
+        found.append(engine.generate(request, level).result())
+        if progress is not None:
+            progress(1)
+    return found
+
+
+def summarise(
+    level: Level,
+    prompts: Sequence[Prompt],
+    answers: Sequence[GenerationStats],
+    max_new_tokens: int,
+    late_band: int = LATE_BAND,
+) -> LevelBaseline:
+    """The baseline of `answers` (one per prompt, in order)."""
+    by_signal: dict[str, dict[str, list[float]]] = {}
+    silence: list[dict[str, list[float]]] = []
+    sparsity: list[dict[str, list[float]]] = []
+    for prompt, stats in zip(prompts, answers, strict=True):
+        for name, value in request_values(stats, late_band).items():
+            by_signal.setdefault(name, {}).setdefault(prompt.kind, []).append(value)
+        if stats.signals is not None:
+            _add_layers(silence, prompt.kind, stats.signals.silence_rate_per_layer)
+            _add_layers(sparsity, prompt.kind, stats.signals.sparsity_per_layer)
+    kinds = sorted({p.kind for p in prompts})
+    return LevelBaseline(
+        level=level.value,
+        requests=len(answers),
+        kinds=kinds,
+        max_new_tokens=max_new_tokens,
+        signals={name: SignalBaseline.of(by_signal[name]) for name in SIGNALS if name in by_signal},
+        silence_per_layer=[SignalBaseline.of(layer) for layer in silence],
+        sparsity_per_layer=[SignalBaseline.of(layer) for layer in sparsity],
+    )
+
+
+def _add_layers(into: list[dict[str, list[float]]], kind: str, values: Sequence[float]) -> None:
+    while len(into) < len(values):
+        into.append({})
+    for layer, value in enumerate(values):
+        into[layer].setdefault(kind, []).append(value)
+
+
+def _quantile(ordered: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    pos = q * (len(ordered) - 1)
+    low = math.floor(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)

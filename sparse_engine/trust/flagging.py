@@ -1,0 +1,63 @@
+"""Where a trust score becomes a flag: below the score that a budgeted share of healthy answers
+fall under, measured on healthy traffic of the route (chat prompts the fit never saw), so a
+model fit on QA items cannot flag every chat answer. Scores are reported as they are; only the
+action follows this threshold."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+from sparse_engine.data.traffic import Prompt
+from sparse_engine.runtime.engine import Engine
+from sparse_engine.runtime.generation import GenerationRequest
+from sparse_engine.sparsity.plan import Level
+from sparse_engine.trust.features import RequestSignals, from_stats
+from sparse_engine.trust.model import TrustModel
+
+
+def healthy_signals(
+    engine: Engine,
+    level: Level,
+    prompts: Sequence[Prompt],
+    max_new_tokens: int,
+    progress: Callable[[int], object] | None = None,
+) -> list[RequestSignals]:
+    """The trust signals of greedy answers to healthy prompts, measured as the gateway does."""
+    found = []
+    for prompt in prompts:
+        request = GenerationRequest(
+            messages=prompt.messages(), max_new_tokens=max_new_tokens, measure_drift=True
+        )
+        stats = engine.generate(request, level).result()
+        found.append(from_stats(stats, prompt.text))
+        if progress is not None:
+            progress(1)
+    return found
+
+
+def conformal_floor(scores: Sequence[float], budget: float) -> float:
+    """The threshold t such that `score < t` flags exactly the scores whose conformal p-value
+    (1 + #{healthy <= score}) / (n + 1) is at most `budget`: at most that share of healthy
+    answers exchangeable with `scores`. -inf (never flag) when too few scores to spend it."""
+    ordered = sorted(scores)
+    allowed = math.floor(budget * (len(ordered) + 1)) - 1  # healthy scores at or under a flag
+    return -math.inf if allowed < 0 else ordered[allowed]
+
+
+def set_flag_threshold(
+    model: TrustModel, healthy: Sequence[RequestSignals], budget: float, route: str
+) -> list[float]:
+    """Score the healthy answers, store the budgeted threshold in `model`, return the scores."""
+    scores = [model.score(s) for s in healthy]
+    floor = conformal_floor(scores, budget)
+    model.flag_threshold = None if math.isinf(floor) else floor
+    flagged = sum(s < floor for s in scores)
+    model.flag_fit = {
+        "route": route,
+        "requests": len(scores),
+        "budget": budget,
+        "flagged_in_sample": flagged,
+        "score_median": sorted(scores)[len(scores) // 2] if scores else None,
+    }
+    return scores

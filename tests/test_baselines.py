@@ -1,0 +1,223 @@
+"""Healthy baselines and the tests against them: conformal p-values hold their false-positive
+budget, per-request reasons follow the baseline of the answer's level, and window rules need
+a shift beyond the tolerance by more than the sampling spread of n requests."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import replace
+from datetime import UTC, datetime
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from alerts.definitions import Deviation
+from alerts.evaluator import EvalState, evaluate
+from alerts.rules import DEFAULT_RULES, load_rules
+from alerts.samples import samples_from_windows
+from services.aggregator.references import MIN_TRAILING, Reference, references
+from services.config import SignalSettings
+from services.gateway.reasons import trust_reasons
+from services.telemetry.schema import (
+    REASON_GATE_DEGRADED,
+    REASON_MONOTONOUS_INPUT,
+    REASON_SILENCE_SPIKE,
+)
+from sparse_engine.calibration.baseline import LevelBaseline, SignalBaseline
+from sparse_engine.trust.features import RequestSignals
+from sparse_engine.trust.flagging import conformal_floor, set_flag_threshold
+from sparse_engine.trust.model import TrustModel, fit
+
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def baseline_of(values: dict[str, list[float]], kinds: int = 2) -> LevelBaseline:
+    """A baseline whose signals hold `values`, split round-robin over `kinds` kinds."""
+    signals = {
+        name: SignalBaseline.of({f"k{k}": vs[k::kinds] for k in range(kinds)})
+        for name, vs in values.items()
+    }
+    n = len(next(iter(values.values())))
+    return LevelBaseline("balanced", n, [f"k{k}" for k in range(kinds)], 16, signals)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31), n=st.integers(20, 300), budget=st.sampled_from([0.01, 0.05]))
+def test_conformal_p_value_keeps_its_budget_on_exchangeable_values(
+    seed: int, n: int, budget: float
+) -> None:
+    rng = random.Random(seed)
+    healthy = SignalBaseline.of({"all": [rng.gauss(0, 1) for _ in range(n)]})
+    fresh = [rng.gauss(0, 1) for _ in range(4000)]
+    rate = sum(healthy.p_above(v) <= budget for v in fresh) / len(fresh)
+    # Conditional on one baseline the rate is Beta-distributed around floor(a(n+1))/(n+1);
+    # bound it loosely, and exactly in expectation below.
+    assert rate <= budget + 4 * math.sqrt(budget / n) + 0.01
+
+
+def test_conformal_p_value_is_exact_on_average() -> None:
+    rng = random.Random(1)
+    rates = []
+    for _ in range(300):
+        healthy = SignalBaseline.of({"all": [rng.random() for _ in range(99)]})
+        rates.append(healthy.p_above(rng.random()) <= 0.01)
+    assert sum(rates) / len(rates) <= 0.01 + 3 * math.sqrt(0.01 / 300)
+    assert healthy.p_above(2.0) == pytest.approx(1 / 100)  # above all: the smallest p
+    assert healthy.p_above(-1.0) == 1.0
+
+
+def test_signal_baseline_statistics_and_tolerance() -> None:
+    stats = SignalBaseline.of({"a": [1.0, 1.0, 1.0], "b": [3.0, 3.0, 3.0]})
+    assert stats.mean == 2.0 and stats.sd == 1.0 and stats.median == 2.0
+    assert stats.tolerance == 1.0  # each kind's mean is one away from the mean of all
+    assert stats.quantiles[0] == 1.0 and stats.quantiles[-1] == 3.0
+    assert SignalBaseline.from_dict(stats.to_dict()) == stats
+    with pytest.raises(ValueError, match="at least one"):
+        SignalBaseline.of({"a": []})
+
+
+def test_level_baseline_round_trips_through_json() -> None:
+    found = baseline_of({"gate_confidence": [0.9, 0.95, 0.97, 0.93]})
+    assert LevelBaseline.from_dict(found.to_dict()) == found
+
+
+@pytest.mark.parametrize("budget", [0.01, 0.05, 0.2])
+def test_conformal_floor_flags_at_most_the_budget(budget: float) -> None:
+    rng = random.Random(3)
+    scores = [rng.random() for _ in range(199)]
+    floor = conformal_floor(scores, budget)
+    fresh = [rng.random() for _ in range(20000)]
+    rate = sum(s < floor for s in fresh) / len(fresh)
+    spread = 3 * math.sqrt(budget * (1 - budget) / len(scores))  # of one baseline's threshold
+    assert budget - spread <= rate <= budget + spread
+    assert conformal_floor(scores[:10], 0.01) == -math.inf  # too few to spend 1 %
+
+
+def healthy_level() -> LevelBaseline:
+    rng = random.Random(5)
+    return baseline_of(
+        {
+            "late_silence": [rng.uniform(0.80, 0.90) for _ in range(200)],
+            "gate_entropy": [rng.uniform(0.96, 0.98) for _ in range(200)],
+            "gate_confidence": [rng.uniform(0.94, 0.97) for _ in range(200)],
+        }
+    )
+
+
+def test_reasons_against_a_baseline_ignore_the_published_numbers() -> None:
+    """This model's healthy conservative traffic sits above every published line (gate
+    confidence 0.95+, entropy 0.96+, late silence 0.8+): against its baseline nothing fires."""
+    signals = SignalSettings()
+    sig = RequestSignals(silence_per_layer=[0.85] * 6, gate_confidence=0.96, gate_entropy=0.97)
+    assert trust_reasons(sig, 1.0, signals, 0.3) == (
+        REASON_SILENCE_SPIKE,
+        REASON_GATE_DEGRADED,
+        REASON_MONOTONOUS_INPUT,
+    )
+    assert trust_reasons(sig, 1.0, signals, 0.3, baseline=healthy_level()) == ()
+
+
+def test_reasons_fire_beyond_everything_healthy() -> None:
+    signals = SignalSettings()
+    odd = RequestSignals(silence_per_layer=[0.99] * 6, gate_confidence=0.999, gate_entropy=0.999)
+    found = trust_reasons(odd, 1.0, signals, 0.3, baseline=healthy_level())
+    assert found == (REASON_SILENCE_SPIKE, REASON_GATE_DEGRADED, REASON_MONOTONOUS_INPUT)
+    dense = trust_reasons(odd, 1.0, signals, 0.3, is_dense=True, baseline=healthy_level())
+    assert dense == (REASON_SILENCE_SPIKE,)  # no gate on a dense pass
+
+
+def test_deviation_bounds_shrink_with_requests() -> None:
+    rule = Deviation("sparsity", z=4.0)
+    values = {
+        "baseline_sparsity_center": 0.45,
+        "baseline_sparsity_spread": 0.05,
+        "baseline_sparsity_tolerance": 0.01,
+        "baseline_sparsity_error": 0.0,
+    }
+    few = rule.bounds({**values, "requests": 16})
+    many = rule.bounds({**values, "requests": 1600})
+    assert few == pytest.approx((0.45 - 0.01 - 0.05, 0.45 + 0.01 + 0.05))
+    assert many == pytest.approx((0.45 - 0.01 - 0.005, 0.45 + 0.01 + 0.005))
+    assert rule.bounds(values) is None  # no count: no data
+    assert rule.bounds({"requests": 10}) is None  # no baseline: no data
+    # The baseline's own sampling error widens the band: a baseline of 36 requests.
+    wide = rule.bounds({**values, "requests": 1600, "baseline_sparsity_error": 0.05 / 6})
+    assert wide is not None and wide[0] < 0.45 - 0.01 - 4 * 0.05 / 6
+
+
+def test_references_fall_back_to_the_published_numbers() -> None:
+    signals = SignalSettings()
+    refs = references(signals, None, 0.45, (0, None, 0.0))
+    assert refs["sparsity"] == Reference(0.45, 0.0, 0.0, "published")
+    low, high = signals.gate_band
+    assert refs["gate_confidence"].center - refs["gate_confidence"].tolerance == pytest.approx(low)
+    assert refs["gate_confidence"].center + refs["gate_confidence"].tolerance == pytest.approx(high)
+    assert "cache_hit" not in refs  # no trailing 24 h yet: no data, not the published floor
+    trailing = references(signals, None, None, (MIN_TRAILING, 0.6, 0.2))["cache_hit"]
+    error = 0.2 / math.sqrt(MIN_TRAILING)  # the trailing mean's own standard error
+    assert trailing == Reference(0.6, 0.2, signals.cache_drop_effect, "trailing-24h", error)
+    measured = references(signals, healthy_level().to_dict(), 0.45, (0, None, 0.0))
+    assert measured["gate_confidence"].source == "baseline"
+    assert measured["silence_spike"].center == signals.reason_budget
+
+
+class Summary:
+    """A window summary as the aggregator makes it, reduced to what the rule reads."""
+
+    def __init__(self, mean: float, requests: int, refs: dict[str, Reference]) -> None:
+        self.requests = requests
+        self.sparsity_mean = mean
+        self.references = refs
+
+    def __getattr__(self, name: str) -> None:
+        return None  # every other window metric: no data
+
+
+@pytest.mark.parametrize(
+    ("mean", "requests", "fires"),
+    [
+        (0.444, 20, False),  # the demo's "0.446 against 0.450": noise
+        (0.420, 20, False),  # 0.03 short on 20 requests: within 4 standard errors
+        (0.420, 600, True),  # the same shortfall on 600 requests: significant
+        (0.435, 600, False),  # significant, but within the tolerance
+    ],
+)
+def test_sparsity_below_target_needs_a_significant_shortfall(
+    mean: float, requests: int, fires: bool
+) -> None:
+    signals = SignalSettings()
+    rules = [
+        replace(r, for_s=0.0)
+        for r in load_rules(DEFAULT_RULES, signals.as_thresholds())
+        if r.name == "SparsityBelowTarget"
+    ]
+    refs = {"sparsity": Reference(0.45, 0.06, 0.012, "baseline")}
+    snap = {("m", "balanced"): {"5m": Summary(mean, requests, refs)}}
+    _, transitions = evaluate(
+        EvalState(), rules, samples_from_windows(snap), NOW, repeat_interval_s=3600
+    )
+    assert [t.state for t in transitions] == (["firing"] if fires else [])
+
+
+def test_flag_threshold_spends_the_flag_budget_on_healthy_answers() -> None:
+    rng = random.Random(7)
+
+    def answer(right: bool) -> RequestSignals:
+        lp = rng.gauss(-0.5 if right else -2.0, 0.5)
+        return RequestSignals(
+            silence_per_layer=[rng.uniform(0.2, 0.4)] * 4, mean_logprob=lp, min_logprob=lp - 1
+        )
+
+    labels = [i % 2 == 0 for i in range(80)]
+    model = fit([answer(r) for r in labels], labels, model_id="m", level="balanced", fit_data={})
+    assert model.flag_threshold is None  # until scored on healthy traffic
+    healthy = [answer(rng.random() < 0.8) for _ in range(199)]
+    scores = set_flag_threshold(model, healthy, 0.05, route="chat")
+    assert model.flag_threshold is not None and model.flag_fit["requests"] == 199
+    assert sum(s < model.flag_threshold for s in scores) <= 0.05 * 200
+    held_out = [model.score(answer(rng.random() < 0.8)) for _ in range(2000)]
+    assert sum(s < model.flag_threshold for s in held_out) / 2000 <= 0.05 + 0.05
+    reloaded = TrustModel.from_dict(model.to_dict())
+    assert reloaded.flag_threshold == model.flag_threshold

@@ -1,0 +1,89 @@
+"""The alert study's machinery on made-up requests (the real-model figures come from
+`sparseguard eval alerts`): healthy traffic drawn from a baseline's own distribution raises
+nothing, a gate-confidence fault is caught by its rule within minutes and resolves after."""
+
+from __future__ import annotations
+
+import random
+
+from alerts.rules import DEFAULT_RULES, load_rules
+from services.config import Settings
+from services.gateway.trust import Trust
+from services.replay.measure import Measured
+from services.replay.replay import Calibrations, Scenario, events, replay
+from services.replay.scoring import Rate, fault_result, firings, rule_scores
+from sparse_engine.calibration.baseline import summarise
+from sparse_engine.data.traffic import Prompt
+from sparse_engine.runtime.generation import GenerationStats
+from sparse_engine.sparsity.plan import Level
+from sparse_engine.sparsity.recorder import SignalSummary
+
+VERSION = "m-balanced-v1"
+
+
+def request(rng: random.Random, kind: str, gate: float) -> Measured:
+    signals = SignalSummary(
+        sparsity_ratio=rng.gauss(0.45, 0.03),
+        sparsity_per_layer=[0.45] * 4,
+        gate_confidence=gate,
+        activation_stability_pct=rng.gauss(10, 2),
+        silence_rate_per_layer=[rng.uniform(0.3, 0.5) for _ in range(4)],
+        step_sparsity=[],
+        gate_entropy=rng.gauss(0.97, 0.005),
+    )
+    stats = GenerationStats(
+        text="ok",
+        level="balanced",
+        calibration_version=VERSION,
+        prompt_tokens=40,
+        completion_tokens=16,
+        finish_reason="length",
+        time_to_first_token_s=0.05,
+        decode_tokens_per_s=40.0,
+        prefill_tokens_per_s=800.0,
+        input_entropy_bits_per_char=4.0,
+        signals=signals,
+        semantic_drift_kl=abs(rng.gauss(0.05, 0.02)),
+        cached_tokens=rng.choice([0, 30]),
+    )
+    return Measured("healthy", kind, "prompt", "balanced", stats, Trust(0.9))
+
+
+def pool(seed: int, n: int, gate_mean: float) -> list[Measured]:
+    rng = random.Random(seed)
+    kinds = ("chat", "qa")
+    return [request(rng, kinds[i % 2], rng.gauss(gate_mean, 0.01)) for i in range(n)]
+
+
+def test_healthy_replay_is_quiet_and_a_fault_is_caught_by_its_rule() -> None:
+    settings = Settings()
+    baseline_pool = pool(1, 200, 0.95)
+    baseline = summarise(
+        Level.BALANCED,
+        [Prompt(m.kind, m.prompt) for m in baseline_pool],
+        [m.stats for m in baseline_pool],
+        16,
+    )
+    cals = Calibrations({VERSION: 0.45}, {VERSION: baseline.to_dict()})
+    rules = load_rules(DEFAULT_RULES, settings.signals.as_thresholds())
+    healthy = {"balanced": pool(2, 100, 0.95)}  # held out: other draws, same distribution
+
+    calm = Scenario("healthy", 7200)
+    stream = events(calm, healthy, [], 30, "m")
+    quiet = firings(calm, replay(stream, rules, cals, settings.signals, calm.duration_s))
+    assert quiet == []
+
+    fault = Scenario("low-gate", 4200, "low-gate", "balanced", 1800, 3000)
+    stream = events(fault, healthy, pool(3, 60, 0.85), 30, "m")
+    found = firings(fault, replay(stream, rules, cals, settings.signals, fault.duration_s))
+    result = fault_result(fault, "GateConfidenceOutOfBand", found)
+    assert result.detected_s is not None and 300 <= result.detected_s <= 600  # `for: 5m`
+    assert result.reset_s is not None and 0 < result.reset_s <= 600
+    [score] = rule_scores(["GateConfidenceOutOfBand"], {"f": (fault, found)}, [result])
+    assert (score.precision, score.recall) == (1.0, 1.0)
+
+
+def test_wilson_interval_covers_the_share() -> None:
+    low, high = Rate(1, 100).interval()
+    assert low < 0.01 < high and high < 0.06
+    assert Rate(0, 0).interval() == (0.0, 1.0)

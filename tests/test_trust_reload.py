@@ -1,0 +1,240 @@
+"""Trust models without a restart: the control codec's trust-model message (calibration messages
+read as before), the judge rebuilt with the models that arrived, a gateway on a real broker
+that scores by the rule until a published trust model arrives and then by the model, and the
+`trust_fit` job's plain function (fit once, publish, skip when one exists), which `up` queues
+when the served model has no trust model."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from pathlib import Path
+
+import httpx
+import pytest
+from kafka import KafkaConsumer, TopicPartition
+
+from services.cli.up import queue_trust_fit
+from services.config import EngineSettings, Settings, TelemetrySettings, TrustSettings
+from services.gateway.app import create_app
+from services.gateway.trust import load_judge, reload_judge, serving_versions
+from services.shared.serving import serve
+from services.storage.db import make_engine, session_factory, upgrade
+from services.storage.models import JobRun
+from services.telemetry.broker import Broker
+from services.telemetry.control import (
+    CALIBRATION_PUBLISHED,
+    TRUST_MODEL_PUBLISHED,
+    CalibrationPublished,
+    TrustModelPublished,
+    decode,
+    encode,
+    encode_trust_model,
+    publish_trust_model,
+)
+from services.workers.jobs import ClaimedJob
+from services.workers.trust_fit import fit_trust
+from sparse_engine.runtime.engine import Engine
+from sparse_engine.sparsity.plan import Level
+from sparse_engine.trust.evaluate import answer
+from sparse_engine.trust.features import RequestSignals
+from sparse_engine.trust.model import TrustModel, TrustStore, fit
+from sparse_engine.trust.qa import QAItem, normalise_answer
+from tests.gateway_fixtures import RecordingSink
+from tests.polling import wait_until
+from tests.test_hot_reload import _send_raw, _task_in_broker
+from tests.tiny import calibration_of, tiny_engine
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+def trust_model(model_id: str, bias: float, created_at: str, level: str = "balanced") -> TrustModel:
+    """A fitted model whose score is about sigmoid(`bias`) for any answer."""
+    rng = random.Random(0)
+    sigs = [RequestSignals(mean_logprob=rng.gauss(0, 1)) for _ in range(40)]
+    model = fit(sigs, [s.mean_logprob > 0 for s in sigs], model_id=model_id, level=level,
+                fit_data={"data": "test"}, l2=0.01)  # fmt: skip
+    model.weights = [0.0] * len(model.weights)
+    model.bias = bias
+    model.created_at = created_at
+    return model
+
+
+def published(root: Path, model: TrustModel) -> TrustModel:
+    """`model` saved (and so versioned) in another host's store, as a worker publishes it."""
+    return TrustStore(root).save(model)
+
+
+def test_codec_carries_whole_trust_models_and_reads_calibrations_as_before(
+    tmp_path: Path,
+) -> None:
+    model = published(tmp_path, trust_model("tiny-llama", -3.0, "2025-01-02T03:04:05+00:00"))
+    key, value, headers = encode_trust_model(model, "first-serve")
+    message = decode(value)
+    assert isinstance(message, TrustModelPublished) and message.reason == "first-serve"
+    assert message.model.to_dict() == model.to_dict()
+    assert key == b"tiny-llama|trust|balanced"
+    assert dict(headers)["ce_type"] == TRUST_MODEL_PUBLISHED.encode()
+    assert dict(headers)["ce_id"] == model.version.encode()
+    # A calibration message as every earlier version wrote it still reads as one.
+    cal = calibration_of(tiny_engine(cache=False), "tiny-balanced-v2")
+    old = {"type": CALIBRATION_PUBLISHED, "reason": "drift", "calibration": cal.to_dict()}
+    read = decode(json.dumps(old).encode())
+    assert isinstance(read, CalibrationPublished) and read.calibration == cal
+    assert decode(encode(cal, "drift")[1]) == read
+    assert decode(json.dumps({"type": "io.sparseguard.other.v9"}).encode()) is None
+    with pytest.raises(ValueError, match="versioned trust model"):
+        decode(json.dumps({"type": TRUST_MODEL_PUBLISHED, "trust_model": {}}).encode())
+    alien = {**model.to_dict(), "feature_names": ["something", "else"]}
+    with pytest.raises(ValueError, match="uses features"):
+        decode(json.dumps({"type": TRUST_MODEL_PUBLISHED, "trust_model": alien}).encode())
+    with pytest.raises(ValueError, match="save the trust model"):
+        encode_trust_model(trust_model("tiny-llama", 0.0, "2025-01-01T00:00:00+00:00"), "x")
+
+
+def test_judge_takes_the_newest_model_that_arrived_and_keeps_a_pinned_one(tmp_path: Path) -> None:
+    settings = Settings(home=tmp_path)
+    stored = TrustStore(settings.trust_dir).save(
+        trust_model("tiny-llama", 1.0, "2025-01-02T00:00:00+00:00")
+    )
+    older = published(tmp_path / "w", trust_model("tiny-llama", 2.0, "2025-01-01T00:00:00+00:00"))
+    newer = published(tmp_path / "w", trust_model("tiny-llama", 3.0, "2025-01-03T00:00:00+00:00"))
+    dense = published(
+        tmp_path / "w", trust_model("tiny-llama", 4.0, "2025-01-04T00:00:00+00:00", "dense")
+    )
+    other = published(tmp_path / "w", trust_model("other", 5.0, "2025-01-05T00:00:00+00:00"))
+    current = load_judge(settings, "tiny-llama")
+    assert serving_versions(current) == {"default": stored.version, "balanced": stored.version}
+    assert serving_versions(reload_judge(settings, "tiny-llama", current, [older])) == (
+        serving_versions(current)
+    )
+    judge = reload_judge(settings, "tiny-llama", current, [older, newer, dense, other])
+    assert serving_versions(judge) == {
+        "default": dense.version,
+        "dense": dense.version,
+        "balanced": newer.version,
+    }
+    assert judge.baseline is current.baseline  # the served model's silence history stays
+    pinned = settings.model_copy(update={"trust": TrustSettings(model_version=stored.version)})
+    kept = reload_judge(pinned, "tiny-llama", current, [newer])
+    assert serving_versions(kept) == {"default": stored.version}
+
+
+def test_gateway_scores_by_the_rule_until_a_published_trust_model_arrives(
+    kafka_broker: Broker, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    telemetry = TelemetrySettings(bootstrap_servers=kafka_broker.bootstrap, partitions=1)
+    settings = Settings(home=tmp_path / "gateway", telemetry=telemetry)  # no trust model there
+    worker_store = tmp_path / "worker"  # the fit's host: no disk shared with the gateway
+    caplog.set_level(logging.INFO, logger="services.gateway")
+    app = create_app(settings, engine=tiny_engine(), sink=RecordingSink())
+    with serve(app) as url, httpx.Client(base_url=url, timeout=30) as client:
+        runtime = app.state.runtime
+        assert runtime.control is not None and runtime.control.ready.wait(30)
+        assert client.get("/admin/status").json()["trust_models"] == {"default": None}
+        before = client.post("/v1/chat/completions", json=CHAT)
+        first_judge = runtime.trust
+        # Another model's, a malformed one, then ours, which scores every answer near 0.
+        alien = trust_model("other", -50.0, "2025-01-01T00:00:00+00:00")
+        publish_trust_model(telemetry, published(worker_store, alien), "test")
+        _send_raw(telemetry, json.dumps({"type": TRUST_MODEL_PUBLISHED, "trust_model": []}))
+        ours = published(
+            worker_store, trust_model("tiny-llama", -50.0, "2025-01-02T00:00:00+00:00")
+        )
+        publish_trust_model(telemetry, ours, "first-serve")
+        wait_until(lambda: runtime.trust is not first_judge, timeout_s=30, every_s=0.1)
+        after = client.post("/v1/chat/completions", json=CHAT)
+        status = client.get("/admin/status").json()
+    assert before.status_code == after.status_code == 200
+    assert float(before.headers["x-ir-trust"].split(";")[0]) > 0.01  # 1 - late-layer silence
+    assert after.headers["x-ir-trust"].startswith("0.000;")
+    assert "low-score" in after.headers["x-ir-trust"]
+    assert status["trust_models"] == {"default": ours.version, "balanced": ours.version}
+    assert runtime.trust.baseline is first_judge.baseline
+    # Kept in the gateway's own store: a restart starts on it, and the other model's is not.
+    assert serving_versions(load_judge(settings, "tiny-llama")) == status["trust_models"]
+    assert [p.stem for p in settings.trust_dir.glob("trust-*.json")] == [ours.version]
+    assert "rule score" in caplog.text and "skipped control message" in caplog.text
+    assert "trust model of tiny-llama: {'default': None} -> " in caplog.text
+
+
+def qa_items(engine: Engine, n: int, max_new_tokens: int) -> list[QAItem]:
+    """Items the engine answers right (its own answer is the gold one) and wrong, alternately."""
+    items = []
+    for i in range(n):
+        item = QAItem(f"Question number {i}?", ("zzqx never said",))
+        said = answer(engine, item, i, Level.DENSE, max_new_tokens).answer
+        if i % 2 == 0 and normalise_answer(said):
+            item = QAItem(item.question, (said,))
+        items.append(item)
+    return items
+
+
+def write_qa(path: Path, items: list[QAItem]) -> Path:
+    rows = [{"question": item.question, "answers": list(item.answers)} for item in items]
+    path.write_text("\n".join(json.dumps(row) for row in rows), encoding="utf-8")
+    return path
+
+
+def trust_messages(bootstrap: str, topic: str) -> list[TrustModelPublished]:
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, consumer_timeout_ms=3000)
+    try:
+        consumer.assign([TopicPartition(topic, 0)])
+        consumer.seek_to_beginning()
+        found = [decode(record.value) for record in consumer]
+    finally:
+        consumer.close()
+    return [m for m in found if isinstance(m, TrustModelPublished)]
+
+
+def test_trust_fit_job_fits_once_publishes_and_skips_when_one_exists(
+    kafka_broker: Broker, tmp_path: Path
+) -> None:
+    telemetry = TelemetrySettings(bootstrap_servers=kafka_broker.bootstrap, partitions=1)
+    settings = Settings(home=tmp_path, telemetry=telemetry)
+    engine = tiny_engine(cache=False)
+    qa = write_qa(tmp_path / "qa.jsonl", qa_items(engine, 8, 3))
+    params = {"data": str(qa), "n": 8, "level": "dense", "max_new_tokens": 3, "if_missing": True}
+    first = fit_trust(settings, ClaimedJob(1, "trust_fit", "first-serve", params, 1), engine)
+    retried = fit_trust(settings, ClaimedJob(1, "trust_fit", "first-serve", params, 2), engine)
+    second = fit_trust(settings, ClaimedJob(2, "trust_fit", "first-serve", params, 1), engine)
+    with pytest.raises(ValueError, match="unknown level"):
+        fit_trust(settings, ClaimedJob(3, "trust_fit", "x", {"level": "turbo"}, 1), engine)
+    with pytest.raises(ValueError, match="Extra inputs"):
+        fit_trust(settings, ClaimedJob(4, "trust_fit", "x", {"levels": ["dense"]}, 1), engine)
+    model = TrustStore(settings.trust_dir).latest("tiny-llama", "dense")
+    assert first["version"] == retried["version"] == second["version"] == model.version
+    assert (first["items"], first["level"], second["skipped"]) == (8, "dense", True)
+    assert 0 < first["right"] < 8
+    assert model.fit_data["job_id"] == 1 and model.fit_data["reason"] == "first-serve"
+    assert len(list(settings.trust_dir.glob("trust-*.json"))) == 1
+    messages = trust_messages(kafka_broker.bootstrap, telemetry.control_topic)
+    assert [(m.model.version, m.reason) for m in messages] == [(model.version, "first-serve")] * 2
+
+
+def test_up_queues_the_first_trust_fit_only_when_the_served_model_has_none(tmp_path: Path) -> None:
+    model_dir = tmp_path / "models" / "tiny-llama"
+    (model_dir).mkdir(parents=True)
+    (model_dir / "config.json").write_text("{}")  # resolved by path: only its name is read
+    settings = Settings(home=tmp_path, engine=EngineSettings(model=str(model_dir)))
+    upgrade(settings.database_url)
+    job_id = queue_trust_fit(settings, 50)
+    assert job_id is not None
+    assert _task_in_broker(settings) == ("sparseguard.trust_fit", [job_id])
+    TrustStore(settings.trust_dir).save(trust_model("tiny-llama", 0.0, "2025-01-01T00:00:00+00:00"))
+    assert queue_trust_fit(settings, 50) is None
+    engine = make_engine(settings.database_url)
+    try:
+        with session_factory(engine)() as session:
+            (job,) = session.query(JobRun).all()
+    finally:
+        engine.dispose()
+    assert (job.id, job.kind, job.reason, job.status) == (
+        job_id,
+        "trust_fit",
+        "first-serve",
+        "queued",
+    )
+    assert job.params == {"n": 50, "level": "balanced", "if_missing": True, "data": "halueval",
+                          "offset": 0, "max_new_tokens": 32}  # fmt: skip
