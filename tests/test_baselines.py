@@ -18,8 +18,9 @@ from alerts.evaluator import EvalState, evaluate
 from alerts.rules import DEFAULT_RULES, load_rules
 from alerts.samples import samples_from_windows
 from services.aggregator.references import MIN_TRAILING, Reference, references
-from services.config import SignalSettings
+from services.config import SignalSettings, TrustSettings
 from services.gateway.reasons import trust_reasons
+from services.gateway.trust import TrustJudge
 from services.telemetry.schema import (
     REASON_GATE_DEGRADED,
     REASON_MONOTONOUS_INPUT,
@@ -221,3 +222,13 @@ def test_flag_threshold_spends_the_flag_budget_on_healthy_answers() -> None:
     assert sum(s < model.flag_threshold for s in held_out) / 2000 <= 0.05 + 0.05
     reloaded = TrustModel.from_dict(model.to_dict())
     assert reloaded.flag_threshold == model.flag_threshold
+
+
+def test_the_rule_score_flags_within_the_budget_of_the_baselines_late_silence() -> None:
+    """Without a trust model the score is 1 - late-band silence; its flag threshold follows
+    the same budget on the baseline's late-band silence."""
+    judge = TrustJudge(TrustSettings(flag_budget=0.05), SignalSettings(), None)
+    healthy = healthy_level()  # late-band silence uniform on [0.80, 0.90], 200 requests
+    floor = judge.flag_below(None, healthy)
+    assert 1 - 0.90 < floor < 1 - 0.89  # only the top ~5 % of healthy silence is flagged
+    assert judge.flag_below(None, None) == TrustSettings().min_score  # no baseline: fallback

@@ -174,7 +174,7 @@ def test_control_messages_round_trip_and_reject_garbage() -> None:
     assert key == f"{cal.weights_sha256}|balanced".encode()
     assert dict(headers)["ce_type"] == control.CALIBRATION_PUBLISHED.encode()
     message = control.decode(value)
-    assert message is not None
+    assert isinstance(message, control.CalibrationPublished)
     assert message.calibration.to_dict() == cal.to_dict()
     assert message.reason == "alert:SparsityBelowTarget"
     assert control.decode(b'{"type": "something.else"}') is None

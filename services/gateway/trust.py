@@ -12,9 +12,11 @@ from dataclasses import dataclass, replace
 
 from services.config import Settings, SignalSettings, TrustSettings
 from services.gateway.reasons import BaselineBook, trust_reasons
+from sparse_engine.calibration.baseline import LevelBaseline
 from sparse_engine.runtime.generation import GenerationStats
 from sparse_engine.sparsity.plan import Level
 from sparse_engine.trust.features import RequestSignals, from_stats, rule_score
+from sparse_engine.trust.flagging import conformal_ceiling
 from sparse_engine.trust.model import TrustModel, TrustModelNotFoundError, TrustStore
 
 log = logging.getLogger(__name__)
@@ -100,7 +102,7 @@ class TrustJudge:
         score = self._score(model, sig)
         z = self.baseline.z(stats.level, late)
         healthy = self.book.lookup(stats.calibration_version, stats.level)
-        flag_below = self.flag_below(model)
+        flag_below = self.flag_below(model, healthy)
         reasons = trust_reasons(sig, score, self.signals, flag_below, is_dense, healthy, z)
         if stats.signals is not None:
             self.baseline.update(stats.level, late)
@@ -108,11 +110,18 @@ class TrustJudge:
         action = "flag" if low else "none"
         return Trust(round(score, 4), reasons, low, action, late)
 
-    def flag_below(self, model: TrustModel | None) -> float:
-        """The model's healthy-traffic threshold (flag budget), else the fixed minimum score."""
-        if model is not None and model.flag_threshold is not None:
-            return model.flag_threshold
-        return self.cfg.min_score
+    def flag_below(self, model: TrustModel | None, healthy: LevelBaseline | None) -> float:
+        """The model's healthy-traffic threshold (flag budget). Without a model the score is
+        1 - late-band silence, so the same budget applies to the baseline's late-band silence;
+        else the fixed minimum score."""
+        if model is not None:
+            if model.flag_threshold is not None:
+                return model.flag_threshold
+            return self.cfg.min_score
+        late = healthy.get("late_silence") if healthy is not None else None
+        if late is None:
+            return self.cfg.min_score
+        return 1.0 - conformal_ceiling(late.values, self.cfg.flag_budget)
 
     def _score(self, model: TrustModel | None, sig: RequestSignals) -> float:
         if model is None:

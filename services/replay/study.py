@@ -8,7 +8,7 @@ summaries: does a baseline generalise to traffic it never saw?)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from alerts.definitions import Rule
@@ -86,10 +86,10 @@ def run_study(
     calm_unseen = Scenario("unseen-kinds", cfg.healthy_hours * 3600)
     unseen_firings = run(calm_unseen, unseen, [], unseen_cals)
     return {
-        "config": {**cfg.__dict__, "warmup_s": WARMUP_S, "fault_s": FAULT_S},
+        "config": {**asdict(cfg), "warmup_s": WARMUP_S, "fault_s": FAULT_S},
         "rules": [s.to_dict() for s in rule_scores(names, runs, results)],
-        "faults": [r.__dict__ for r in results],
-        "healthy_alerts": [f.__dict__ for f in runs["healthy"][1]],
+        "faults": [asdict(r) for r in results],
+        "healthy_alerts": [asdict(f) for f in runs["healthy"][1]],
         "reasons_healthy": _reason_rates(healthy),
         "reasons_faults": {f: _rates(pool, REASONS) for f, pool in faults.items()},
         "trust_actions_chat": {
@@ -99,7 +99,7 @@ def run_study(
         "unseen_kinds": {
             "baseline_kinds": list(UNSEEN_BASELINE_KINDS),
             "checked_kinds": list(UNSEEN_CHECK_KINDS),
-            "alerts": [f.__dict__ for f in unseen_firings],
+            "alerts": [asdict(f) for f in unseen_firings],
             "reasons": {level: _rates(pool, BASELINE_REASONS) for level, pool in unseen.items()},
         },
     }

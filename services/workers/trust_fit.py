@@ -20,10 +20,10 @@ from services.config import Settings
 from services.shared.engine import build_engine
 from services.telemetry.control import publish_trust_model
 from services.workers.jobs import ClaimedJob
+from sparse_engine.data import traffic
 from sparse_engine.jsonstore import JsonStore
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.sparsity.plan import Level
-from sparse_engine.data import traffic
 from sparse_engine.trust.evaluate import QARecord, RecordSet, collect
 from sparse_engine.trust.flagging import healthy_signals, set_flag_threshold
 from sparse_engine.trust.model import TrustModel, TrustModelNotFoundError, TrustStore, fit

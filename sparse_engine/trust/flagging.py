@@ -45,6 +45,12 @@ def conformal_floor(scores: Sequence[float], budget: float) -> float:
     return -math.inf if allowed < 0 else ordered[allowed]
 
 
+def conformal_ceiling(values: Sequence[float], budget: float) -> float:
+    """The mirror of `conformal_floor`: `value > t` holds for at most `budget` of healthy
+    values (inf when too few to spend it)."""
+    return -conformal_floor([-v for v in values], budget)
+
+
 def set_flag_threshold(
     model: TrustModel, healthy: Sequence[RequestSignals], budget: float, route: str
 ) -> list[float]:
