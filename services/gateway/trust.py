@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from services.config import Settings, SignalSettings, TrustSettings
 from services.gateway.reasons import BaselineBook, trust_reasons
 from sparse_engine.calibration.baseline import LevelBaseline
+from sparse_engine.calibration.store import CalibrationStore
 from sparse_engine.runtime.generation import GenerationStats
 from sparse_engine.sparsity.plan import Level
 from sparse_engine.trust.features import RequestSignals, from_stats, rule_score
@@ -139,11 +140,12 @@ def load_judge(settings: Settings, model_id: str, arrived: Sequence[TrustModel] 
     `arrived`: trust models received on the control topic, weighed with the stored ones, so a
     gateway whose store could not keep one still serves it."""
     store = TrustStore(settings.trust_dir)
+    book = BaselineBook(CalibrationStore(settings.calibrations_dir))  # the reasons' baselines
     pinned = settings.trust.model_version
     if pinned:
         found = [m for m in arrived if m.version == pinned]
         pinned_model = found[0] if found else store.load(pinned)
-        return TrustJudge(settings.trust, settings.signals, pinned_model)
+        return TrustJudge(settings.trust, settings.signals, pinned_model, book=book)
     model = _newest(store, model_id, None, arrived)
     if model is None:
         log.warning(
@@ -153,7 +155,7 @@ def load_judge(settings: Settings, model_id: str, arrived: Sequence[TrustModel] 
             model_id,
             store.root,
         )
-        return TrustJudge(settings.trust, settings.signals, None)
+        return TrustJudge(settings.trust, settings.signals, None, book=book)
     per_level = {}
     for level in LEVELS:
         found_at = _newest(store, model_id, level, arrived)
@@ -162,7 +164,7 @@ def load_judge(settings: Settings, model_id: str, arrived: Sequence[TrustModel] 
             log.info(
                 "trust model for %s: %s (fit on %s)", level, found_at.version, found_at.fit_data
             )
-    return TrustJudge(settings.trust, settings.signals, model, per_level)
+    return TrustJudge(settings.trust, settings.signals, model, per_level, book)
 
 
 def _newest(

@@ -5,6 +5,7 @@ action follows this threshold."""
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 
@@ -14,6 +15,8 @@ from sparse_engine.runtime.generation import GenerationRequest
 from sparse_engine.sparsity.plan import Level
 from sparse_engine.trust.features import RequestSignals, from_stats
 from sparse_engine.trust.model import TrustModel
+
+log = logging.getLogger(__name__)
 
 
 def healthy_signals(
@@ -29,10 +32,14 @@ def healthy_signals(
         request = GenerationRequest(
             messages=prompt.messages(), max_new_tokens=max_new_tokens, measure_drift=True
         )
-        stats = engine.generate(request, level).result()
-        found.append(from_stats(stats, prompt.text))
         if progress is not None:
             progress(1)
+        try:
+            stats = engine.generate(request, level).result()
+        except ValueError as exc:  # a prompt longer than the model's context: not its traffic
+            log.info("healthy prompt skipped: %s", exc)
+            continue
+        found.append(from_stats(stats, prompt.text))
     return found
 
 
