@@ -1,8 +1,12 @@
 """The golden-set check on the real SmolLM2 and the packaged data (slow): the default set holds
 external references only, and on a few of its items the dense plan against itself is ok with
 drift exactly 0, the session's balanced calibration raises nothing, and the balanced plan
-scaled to 80 % sparsity is over budget, so GoldenDriftHigh fires through the stored runs, the
-aggregator's samples and the evaluator, as in production."""
+scaled to 90 % sparsity is over budget, so GoldenDriftHigh fires through the stored runs, the
+aggregator's samples and the evaluator, as in production.
+
+At 80 % the drift is inconclusive on these items (6.4 points [-1.0, 14.4]) and on the first 40
+HaluEval items (8.6 [2.9, 15.7]; README): at the 3-point budget the check cannot yet tell 80 %
+from healthy on this model with a set this size; 90 % it can."""
 
 from __future__ import annotations
 
@@ -34,9 +38,10 @@ from sparse_engine.sparsity.scaled import TOLERANCE, realised_sparsity, scale_to
 
 pytestmark = pytest.mark.slow
 NOW = datetime(2026, 12, 8, 3, 0, tzinfo=UTC)
-# A few items of the default set keep this under a minute or two on 2 cores: short answers
-# (F1, capped at SHORT_ANSWER_TOKENS) and two MT-Bench questions at a short answer length.
-HALUEVAL_ITEMS, MTBENCH_ITEMS, MAX_NEW_TOKENS = 10, 2, 32
+# A few items of the default set keep this to a few minutes on 2 cores: short answers (F1,
+# capped at SHORT_ANSWER_TOKENS) and two MT-Bench questions at a short answer length.
+HALUEVAL_ITEMS, MTBENCH_ITEMS, MAX_NEW_TOKENS = 20, 2, 32
+BROKEN_SPARSITY = 0.9
 
 
 @pytest.fixture(scope="module")
@@ -70,13 +75,13 @@ def results(
 ) -> dict[str, LevelDrift]:
     balanced = calibrated_store.latest_plans(smollm.weights_sha256)[Level.BALANCED]
     ids = evaluation_tokens(smollm.tokenizer, load_texts("wiki", home), 512)
-    at_80 = scale_to_sparsity(smollm, balanced, ids, 0.8)
-    assert abs(realised_sparsity(smollm, at_80, ids) - 0.8) <= TOLERANCE
+    broken = scale_to_sparsity(smollm, balanced, ids, BROKEN_SPARSITY)
+    assert abs(realised_sparsity(smollm, broken, ids) - BROKEN_SPARSITY) <= TOLERANCE
     items = [
         *[i for i in default_set if i.source == "gpt-4"][:MTBENCH_ITEMS],
         *[i for i in default_set if i.source == "halueval"][:HALUEVAL_ITEMS],
     ]
-    plans = {"dense-self": SparsityPlan(), "balanced": balanced, "balanced-at-80%": at_80}
+    plans = {"dense-self": SparsityPlan(), "balanced": balanced, "balanced-at-90%": broken}
     found = golden.compare(Engine(smollm, {}), items, plans, MAX_NEW_TOKENS)
     return {result.level: result for result in found}
 
@@ -107,13 +112,13 @@ def test_dense_against_itself_is_ok_with_no_drift(results: dict[str, LevelDrift]
     assert same.kl_mean == pytest.approx(0.0, abs=1e-4)
 
 
-def test_a_healthy_calibration_raises_nothing_and_80_percent_is_over_budget(
+def test_a_healthy_calibration_raises_nothing_and_90_percent_is_over_budget(
     results: dict[str, LevelDrift], tmp_path: Path
 ) -> None:
     budget = Settings().signals.drift_budget
-    healthy, broken = results["balanced"], results["balanced-at-80%"]
+    healthy, broken = results["balanced"], results["balanced-at-90%"]
     assert healthy.status(budget) != OVER_BUDGET
     assert broken.status(budget) == OVER_BUDGET, broken.figures(budget)
     assert broken.drift_low > budget and broken.drift > healthy.drift
     assert broken.kl_mean > healthy.kl_mean
-    assert firing(results, tmp_path) == {"balanced-at-80%"}
+    assert firing(results, tmp_path) == {"balanced-at-90%"}
