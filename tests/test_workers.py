@@ -2,15 +2,14 @@
 endpoint to a running gateway serving the new version, and a golden-set check on the real
 model (Redis, a Kafka-compatible broker); a worker killed mid-task leaves no partial
 calibration and the redelivered task completes; the embedded SQLite transport, with beat
-re-sending a job whose message was lost, and a trust fit reaching a running gateway; the beat
-lock."""
+re-sending a job whose message was lost, and a trust fit reaching a running gateway. The beat
+lock: tests/test_beat_lock.py."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,7 +35,6 @@ from services.storage.models import CalibrationRecord, GoldenRun, JobRun
 from services.telemetry.broker import Broker
 from services.workers import jobs
 from services.workers.app import make_celery
-from services.workers.beat import FileLock, RedisLock, wait_for_lock
 from services.workers.golden_set import GoldenItem, write_golden
 from sparse_engine.calibration.store import CalibrationStore
 from sparse_engine.data.corpora import mtbench_questions, mtbench_references
@@ -354,50 +352,3 @@ def test_a_trust_fit_job_on_a_worker_reaches_a_running_gateway_without_a_restart
     (message,) = trust_messages(kafka_broker.bootstrap, settings.telemetry.control_topic)
     assert (message.model.version, message.reason) == (version, "first-serve")
     assert message.model.fit_data["job_id"] == job_id
-
-
-def test_file_lock_admits_one_holder_at_a_time(tmp_path: Path) -> None:
-    first, second = FileLock(tmp_path / "beat.lock"), FileLock(tmp_path / "beat.lock")
-    assert first.acquire()
-    assert not second.acquire()
-    first.release()
-    assert second.acquire()
-    assert second.renew()
-    second.release()
-
-
-def test_redis_lock_admits_one_holder_and_a_standby_takes_over(
-    redis_url: str, tmp_path: Path
-) -> None:
-    key = f"sparseguard:test:{tmp_path.name}:beat-lock"
-    holder, standby = RedisLock(redis_url, 30, key), RedisLock(redis_url, 30, key)
-    assert holder.acquire()
-    assert not standby.acquire()
-    assert holder.renew() and not standby.renew()
-    took_over = threading.Event()
-    stop = threading.Event()
-
-    def take_over() -> None:
-        if wait_for_lock(standby, 0.05, stop):
-            took_over.set()
-
-    waiter = threading.Thread(target=take_over, daemon=True)
-    waiter.start()
-    time.sleep(0.3)
-    assert not took_over.is_set()
-    holder.release()
-    assert took_over.wait(5)
-    assert not holder.renew(), "the old holder must notice it lost the lock"
-    assert standby.holder() == holder.holder() == standby.token  # what the health check reads
-    standby.release()
-    assert standby.holder() is None
-    stop.set()
-
-
-def test_redis_lock_expires_when_its_holder_stops_renewing(redis_url: str, tmp_path: Path) -> None:
-    key = f"sparseguard:test:{tmp_path.name}:beat-lock"
-    crashed, standby = RedisLock(redis_url, 0.3, key), RedisLock(redis_url, 0.3, key)
-    assert crashed.acquire()
-    assert not standby.acquire()
-    wait_until(standby.acquire, 5, 0.05)
-    standby.release()
