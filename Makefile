@@ -14,11 +14,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # First serve in minutes on 2 cores: calibration on 32 samples and 1024 held-out tokens (the
-# defaults, 100 and 4096, take about 6 minutes); the trust model is fit by a worker job that
-# `up` queues once the stack is up, and the gateways install it from the control topic.
+# defaults, 100 and 4096, take about 6 minutes) and without its baseline pass; the baselines
+# and the trust model come from worker jobs that `up` queues once the stack is up, and the
+# gateways install them from the control topic.
 run: $(STAMP)
 	$(SG) model fetch
-	$(SG) calibrate --level all --if-missing --samples 32 --heldout-tokens 1024
+	$(SG) calibrate --level all --if-missing --samples 32 --heldout-tokens 1024 --no-baseline
 	$(SG) probe
 	$(SG) up
 

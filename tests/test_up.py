@@ -34,6 +34,16 @@ def alive(pid: int) -> bool:
     return True
 
 
+def window_sources(port: int) -> set[str]:
+    """Where the balanced 5-minute window's gate-confidence reference comes from."""
+    keys = httpx.get(f"http://127.0.0.1:{port}/windows", timeout=5).json()["keys"]
+    return {
+        key["windows"]["5m"]["references"]["gate_confidence"]["source"]
+        for key in keys
+        if key["level"] == "balanced"
+    }
+
+
 @pytest.mark.slow
 def test_up_runs_the_stack_restarts_a_crashed_child_and_stops_cleanly(
     home: Path, calibrated_store: CalibrationStore, tmp_path: Path
@@ -48,6 +58,7 @@ def test_up_runs_the_stack_restarts_a_crashed_child_and_stops_cleanly(
         gateway__port=ports["gateway"],
         aggregator__port=ports["aggregator"],
         telemetry__bootstrap_servers=f"127.0.0.1:{ports['broker']}",
+        aggregator__snapshot_interval_s=2,
     )
     out, err = (tmp_path / "up.out").open("w+"), (tmp_path / "up.err").open("w+")
     up = subprocess.Popen([str(SPARSEGUARD), "up"], env=env, stdout=out, stderr=err)
@@ -72,6 +83,14 @@ def test_up_runs_the_stack_restarts_a_crashed_child_and_stops_cleanly(
         assert len(re.findall(r"^#\d+ +\w+ +sparsity 0\.\d{3}", demo.stdout, re.M)) == 4
         assert "last 5 minutes, from the aggregator" in demo.stdout
         assert re.search(r"^alerts: none firing$|^alerts firing \(\d+\):$", demo.stdout, re.M)
+
+        # The session's calibration has no baseline: `up` queued the baseline job, whose
+        # measurement reaches the artefact, and the aggregator's window rules then test
+        # against it (re-read at its next snapshot) instead of the published numbers.
+        balanced = CalibrationStore(state / "calibrations")
+        wait_until(lambda: all(c.baseline is not None for c in balanced.list()), 180, 1.0)
+        assert "job 1 measures it on the worker" in Path(err.name).read_text()
+        wait_until(lambda: window_sources(ports["aggregator"]) == {"baseline"}, 90, 1.0)
 
         log = Path(err.name)
         pids = {name: int(pid) for name, pid in STARTED.findall(log.read_text())}

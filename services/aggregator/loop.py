@@ -170,7 +170,9 @@ class Aggregator:
     def _read_calibrations(self, session: Session) -> None:
         """Targets, and the baselines of versions registered since the last read."""
         self.targets = calibration_targets(session)
-        self.baselines.update(calibration_baselines(session, self.baselines))
+        # A version without a baseline is read again: the baseline job adds one later.
+        known = {version for version, found in self.baselines.items() if found is not None}
+        self.baselines.update(calibration_baselines(session, known))
 
     def rebuild(self, partitions: set[int]) -> None:
         """Own exactly `partitions`: forget other keys, reload these from stored summaries."""

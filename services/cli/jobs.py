@@ -50,6 +50,11 @@ def register(commands: Any) -> None:
     trust.add_argument("--if-missing", action="store_true", help="skip when the level has one")
     _run_options(trust)
     trust.set_defaults(handler=trust_fit)
+    base = job.add_parser(
+        "baseline", help="measure the healthy baselines the served calibrations lack, publish"
+    )
+    _run_options(base)
+    base.set_defaults(handler=measure_baseline)
     listing = job.add_parser("list", help="recent jobs")
     listing.add_argument("--limit", type=int, default=20)
     listing.set_defaults(handler=list_jobs)
@@ -119,6 +124,10 @@ def trust_fit(args: argparse.Namespace, settings: Settings) -> int:
     )
 
 
+def measure_baseline(args: argparse.Namespace, settings: Settings) -> int:
+    return _submit(args, settings, "baseline", {})
+
+
 def _submit(args: argparse.Namespace, settings: Settings, kind: str, params: dict[str, Any]) -> int:
     upgrade(settings.database_url)
     sessions = session_factory(make_engine(settings.database_url))
@@ -144,6 +153,7 @@ def _submit(args: argparse.Namespace, settings: Settings, kind: str, params: dic
 
 def _inline(settings: Settings, sessions: Any, kind: str, params: dict[str, Any]) -> int:
     """Run the job in this process, recorded like any other."""
+    from services.workers.baseline_job import measure_baselines
     from services.workers.drift import golden_check
     from services.workers.recalibration import recalibrate
     from services.workers.trust_fit import fit_trust
@@ -157,6 +167,8 @@ def _inline(settings: Settings, sessions: Any, kind: str, params: dict[str, Any]
             result = recalibrate(settings, sessions, job)
         elif kind == "trust_fit":
             result = fit_trust(settings, job)
+        elif kind == "baseline":
+            result = measure_baselines(settings, sessions, job)
         else:
             result = golden_check(settings, sessions, make_celery(settings), job)
     except Exception as exc:

@@ -70,6 +70,7 @@ def run_up(args: argparse.Namespace, settings: Settings) -> int:
     try:
         supervisor.start()
         emit(urls(settings, broker))
+        queue_baseline(settings)  # first: the worker runs one job at a time
         if args.trust_fit_n > 0:
             queue_trust_fit(settings, args.trust_fit_n)
         supervisor.watch(stop)
@@ -141,14 +142,7 @@ def queue_trust_fit(settings: Settings, n: int) -> int | None:
     model_id = resolve_model(settings.engine.model, settings.cache_home).name  # as load_model
     if settings.trust.model_version or _has_trust_model(settings, model_id, level):
         return None
-    params = FitSpec(n=n, level=level, if_missing=True).params()
-    engine = make_engine(settings.database_url)
-    try:
-        job_id = jobs.submit(
-            session_factory(engine), make_celery(settings), "trust_fit", "first-serve", params
-        )
-    finally:
-        engine.dispose()
+    job_id = _queue(settings, "trust_fit", FitSpec(n=n, level=level, if_missing=True).params())
     log.info(
         "no trust model for %s at %s yet: job %d fits one on the worker (%d items, minutes); "
         "the gateway scores trust by the rule until it arrives. Follow it with "
@@ -160,6 +154,33 @@ def queue_trust_fit(settings: Settings, n: int) -> int | None:
         job_id,
     )
     return job_id
+
+
+def queue_baseline(settings: Settings) -> int | None:
+    """Queue the baseline job when a served calibration has no healthy baseline (`make run`
+    calibrates without one, so the first serve does not wait for it): until the job publishes
+    them, reasons and window rules use the published numbers."""
+    latest = {(c.weights_sha256, c.level): c for c in store(settings).list()}  # oldest first
+    if all(c.baseline is not None for c in latest.values()):
+        return None
+    job_id = _queue(settings, "baseline", {})
+    log.info(
+        "a served calibration has no healthy baseline yet: job %d measures it on the worker "
+        "(%d requests a level, minutes); until then the published thresholds apply",
+        job_id,
+        settings.engine.baseline_requests,
+    )
+    return job_id
+
+
+def _queue(settings: Settings, kind: str, params: dict[str, Any]) -> int:
+    engine = make_engine(settings.database_url)
+    try:
+        return jobs.submit(
+            session_factory(engine), make_celery(settings), kind, "first-serve", params
+        )
+    finally:
+        engine.dispose()
 
 
 def _has_trust_model(settings: Settings, model_id: str, level: str) -> bool:

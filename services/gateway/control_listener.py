@@ -174,6 +174,7 @@ class ControlListener:
         old = self._engine.plans.get(plan.level)
         old_version = old.calibration_version if old is not None else None
         if old_version == cal.version:
+            self._keep(cal)  # the same plan, perhaps with the baseline measured since
             return
         self._engine.install(plan)
         self._reloads.labels(plan.level.value).inc()
@@ -188,15 +189,18 @@ class ControlListener:
         self._keep(cal)
 
     def _keep(self, cal: Calibration) -> None:
-        """Save the artefact, so a restarted gateway starts on it. A store that cannot be
-        written costs only that: the version is served all the same."""
+        """Save the artefact (so a restarted gateway starts on it, and the trust reasons read
+        its baseline), unless the store has it with a baseline already. A store that cannot
+        be written costs only that: the version is served all the same."""
         try:
-            self._store.load(cal.version)
+            if self._store.load(cal.version).baseline is not None or cal.baseline is None:
+                return
         except CalibrationNotFoundError:
-            try:
-                self._store.save(cal)
-            except OSError:
-                log.exception("could not save calibration %s locally", cal.version)
+            pass
+        try:
+            self._store.save(cal)
+        except OSError:
+            log.exception("could not save calibration %s locally", cal.version)
 
     def _apply_trust(self, model: TrustModel, reason: str) -> None:
         if model.model_id != self._engine.lm.model_id or self._on_trust_model is None:

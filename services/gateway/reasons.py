@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from services.config import SignalSettings
 from services.telemetry.schema import (
@@ -22,18 +23,20 @@ from sparse_engine.sparsity.plan import Level
 from sparse_engine.trust.features import RequestSignals
 
 log = logging.getLogger(__name__)
+RECHECK_S = 30.0
 
 
 class BaselineBook:
-    """The baselines of the calibration versions served, read once each from the calibration
-    store (the control listener saves every published calibration there)."""
+    """The baselines of the calibration versions served, read from the calibration store (the
+    control listener saves every published calibration there): once for a version that has
+    one, again every RECHECK_S for one that has none yet (the baseline job adds it later)."""
 
     def __init__(self, store: CalibrationStore | None) -> None:
         self._store = store
-        self._by_version: dict[str, Calibration | None] = {}
+        self._by_version: dict[str, tuple[Calibration | None, float]] = {}
         self._lock = threading.Lock()
         self._dense: LevelBaseline | None = None
-        self._dense_searched = False
+        self._dense_searched = -RECHECK_S
 
     def lookup(self, version: str | None, level: str) -> LevelBaseline | None:
         """The baseline of `level` under calibration `version` (dense: the dense baseline of
@@ -51,21 +54,24 @@ class BaselineBook:
         if version is None or self._store is None:
             return None
         with self._lock:
-            if version not in self._by_version:
+            cal, read_at = self._by_version.get(version, (None, -RECHECK_S))
+            now = time.monotonic()
+            if (cal is None or cal.baseline is None) and now - read_at >= RECHECK_S:
                 try:
-                    self._by_version[version] = self._store.load(version)
+                    cal = self._store.load(version)
                 except CalibrationNotFoundError:
                     log.warning(
                         "no artefact for %s: its reasons use the published numbers", version
                     )
-                    self._by_version[version] = None
-            return self._by_version[version]
+                self._by_version[version] = (cal, now)
+            return cal
 
     def _latest_dense(self) -> LevelBaseline | None:
-        if self._store is None or self._dense_searched:
+        now = time.monotonic()
+        if self._store is None or now - self._dense_searched < RECHECK_S:
             return None
         with self._lock:
-            self._dense_searched = True  # once: a later calibration brings its own
+            self._dense_searched = now  # a later calibration brings its own
             found = [c.dense_baseline for c in self._store.list() if c.dense_baseline]
             if found:
                 self._dense = LevelBaseline.from_dict(found[-1])

@@ -126,7 +126,7 @@ def calibration_baselines(
     session: Session, known: Collection[str] = ()
 ) -> dict[str, dict[str, Any] | None]:
     """Calibration version -> its artefact's healthy baseline (None if it has none), for the
-    versions not in `known` (artefacts never change, so readers keep what they read)."""
+    versions not in `known` (a baseline, once measured, never changes)."""
     query = select(CalibrationRecord.version, CalibrationRecord.artefact)
     if known:
         query = query.where(CalibrationRecord.version.not_in(list(known)))

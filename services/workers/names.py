@@ -7,6 +7,7 @@ TASKS = {
     "recalibrate": "sparseguard.recalibrate",
     "golden_check": "sparseguard.golden_check",
     "trust_fit": "sparseguard.trust_fit",
+    "baseline": "sparseguard.baseline",
 }
 NIGHTLY_GOLDEN = "sparseguard.golden_nightly"
 SCHEDULED_RECALIBRATION = "sparseguard.recalibrate_scheduled"

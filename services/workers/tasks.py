@@ -83,6 +83,18 @@ def register_tasks(app: Celery, settings: Settings) -> None:
 
         run_job(task, ctx, job_id, lambda job: fit_trust(settings, job))
 
+    @app.task(
+        name=TASKS["baseline"],
+        bind=True,
+        max_retries=retries,
+        soft_time_limit=cfg.recalibrate_time_limit_s,
+        time_limit=cfg.recalibrate_time_limit_s + 60,
+    )
+    def baseline(task: Task[Any, Any], job_id: int) -> None:
+        from services.workers.baseline_job import measure_baselines
+
+        run_job(task, ctx, job_id, lambda job: measure_baselines(settings, ctx.sessions, job))
+
     @app.task(name=NIGHTLY_GOLDEN, bind=True, max_retries=retries)
     def golden_nightly(task: Task[Any, Any]) -> None:
         schedule_once(ctx, "golden_check", {})
