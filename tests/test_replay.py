@@ -87,3 +87,15 @@ def test_wilson_interval_covers_the_share() -> None:
     low, high = Rate(1, 100).interval()
     assert low < 0.01 < high and high < 0.06
     assert Rate(0, 0).interval() == (0.0, 1.0)
+
+
+def test_drift_is_sampled_per_replayed_request_not_per_measured_one() -> None:
+    """A small pool replayed for hours: each event keeps its KL with the gateway's sample
+    rate, drawn per event, so a long window's drift samples come from the whole pool."""
+    measured = pool(4, 20, 0.95)
+    stream = list(events(Scenario("healthy", 3600), {"balanced": measured}, [], 30, "m", 0, 0.1))
+    kept = [e.semantic_drift_kl for e in stream if e.semantic_drift_kl is not None]
+    assert 0.05 < len(kept) / len(stream) < 0.15
+    assert len(set(kept)) >= 15  # nearly every request of the pool, not a fixed tenth of it
+    everything = events(Scenario("healthy", 600), {"balanced": measured}, [], 30, "m")
+    assert all(e.semantic_drift_kl is not None for e in everything)

@@ -21,7 +21,7 @@ from services.cli.eval_report import render
 from services.config import Settings
 from services.gateway.reasons import BaselineBook
 from services.gateway.trust import load_judge
-from services.replay.measure import FAULTS, Measured, Measurer, sampled_drift
+from services.replay.measure import FAULTS, Measured, Measurer
 from services.replay.replay import Calibrations
 from services.replay.study import StudyConfig, run_study
 from services.shared.engine import load_served_model
@@ -61,21 +61,28 @@ def run_eval_alerts(args: argparse.Namespace, settings: Settings) -> int:
             "the latest calibrations have no healthy baseline; run "
             "`sparseguard calibrations baseline` (or calibrate again)"
         )
+    tokens = settings.engine.baseline_max_new_tokens
+    measured_at = {int(c.baseline["max_new_tokens"]) for c in cals.values() if c.baseline}
+    if measured_at != {tokens}:
+        # Signals are means over the answer: measured 12 tokens against 16, gate-degraded
+        # fired on 6.7-10 % of healthy requests instead of at most 1 % (README).
+        log.warning(
+            "the baselines were measured on answers of %s tokens, these requests get %d: "
+            "set SPARSEGUARD_ENGINE__BASELINE_MAX_NEW_TOKENS to match, or the reasons' "
+            "budgets will not hold",
+            "/".join(map(str, sorted(measured_at))),
+            tokens,
+        )
     pools = _pools(args, settings, lm, [c.version for c in cals.values()], faults, fault_level)
-    healthy = {
-        level: sampled_drift(pool, settings.engine.drift_sample_rate)
-        for level, pool in pools["healthy"].items()
-    }
-    measured_faults = {
-        f: sampled_drift(pools["faults"][f], settings.engine.drift_sample_rate) for f in faults
-    }
+    healthy, measured_faults = pools["healthy"], {f: pools["faults"][f] for f in faults}
     calibrations = Calibrations(
         targets={c.version: c.target_sparsity for c in cals.values()},
         baselines={c.version: c.baseline for c in cals.values()},
     )
     rules_file = settings.alerts.rules_file or DEFAULT_RULES
     rules = load_rules(rules_file, settings.signals.as_thresholds())
-    cfg = StudyConfig(args.rate, args.healthy_hours, fault_level.value)
+    drift_share = settings.engine.drift_sample_rate
+    cfg = StudyConfig(args.rate, args.healthy_hours, fault_level.value, drift_share=drift_share)
     figures = run_study(settings, rules, healthy, measured_faults, calibrations, lm.model_id, cfg)
     figures["measured"] = {
         "healthy_per_level": args.healthy,

@@ -11,7 +11,6 @@ baseline of what should be served:
 from __future__ import annotations
 
 import logging
-import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -130,12 +129,3 @@ class Measurer:
 
     def _judge(self, stats: GenerationStats, prompt: traffic.Prompt, level: Level) -> Trust:
         return self.judge.assess(stats, prompt.text, is_dense=level is Level.DENSE)
-
-
-def sampled_drift(measured: list[Measured], share: float, seed: int = 0) -> list[Measured]:
-    """Keep the KL drift on `share` of requests, as the gateway samples it."""
-    rng = random.Random(seed)
-    return [
-        m if rng.random() < share else replace(m, stats=replace(m.stats, semantic_drift_kl=None))
-        for m in measured
-    ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -50,8 +50,11 @@ def events(
     rate_per_min: float,
     model_id: str,
     seed: int = 0,
+    drift_share: float = 1.0,
 ) -> Iterator[TelemetryEvent]:
-    """The scenario's events in time order, `rate_per_min` per level."""
+    """The scenario's events in time order, `rate_per_min` per level, each keeping its KL
+    drift with probability `drift_share` (the gateway's sample rate), drawn per event: a
+    request replayed twice is two requests, and a window's drift samples are as many draws."""
     rng = random.Random(seed)
     interval = 60.0 / rate_per_min
     levels = sorted(pools)
@@ -59,7 +62,10 @@ def events(
         for j, level in enumerate(levels):
             at_s = i * interval + j * interval / len(levels)
             pool = fault_pool if scenario.faulty(level, at_s) else pools[level]
-            yield to_event(rng.choice(pool), START + timedelta(seconds=at_s), model_id, rng)
+            m = rng.choice(pool)
+            if rng.random() >= drift_share:
+                m = replace(m, stats=replace(m.stats, semantic_drift_kl=None))
+            yield to_event(m, START + timedelta(seconds=at_s), model_id, rng)
 
 
 def to_event(m: Measured, at: datetime, model_id: str, rng: random.Random) -> TelemetryEvent:

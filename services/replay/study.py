@@ -50,6 +50,7 @@ class StudyConfig:
     healthy_hours: float = 2.0
     fault_level: str = Level.BALANCED.value
     seed: int = 0
+    drift_share: float = 1.0  # share of requests whose KL drift is measured (the gateway's)
 
 
 def run_study(
@@ -70,7 +71,9 @@ def run_study(
         fault_pool: Sequence[Measured],
         cals: Calibrations,
     ) -> list[Any]:
-        stream = events(scenario, pools, fault_pool, cfg.rate_per_min, model_id, cfg.seed)
+        stream = events(
+            scenario, pools, fault_pool, cfg.rate_per_min, model_id, cfg.seed, cfg.drift_share
+        )
         return firings(scenario, replay(stream, rules, cals, signals, scenario.duration_s))
 
     runs: dict[str, tuple[Scenario, list[Any]]] = {}
