@@ -30,6 +30,7 @@ from sparse_engine.runtime.prefix_cache import CacheKey, SparseCacheMismatchErro
 from sparse_engine.sparsity.plan import Level, SparsityPlan
 from tests.gateway_fixtures import GatedEngine, RecordingSink, running_gateway, settings_for
 from tests.polling import wait_until
+from tests.test_baselines import healthy_level
 from tests.tiny import calibration_of, tiny_engine
 
 SYSTEM = "You are a careful assistant. Answer briefly and cite nothing. " * 2
@@ -158,7 +159,13 @@ def test_gateway_installs_published_calibrations_for_its_weights_only(
 
         wait_until(serves_v2, timeout_s=30, every_s=0.2)
         status = httpx.get(f"{url}/admin/status").json()
-    store = CalibrationStore(settings.calibrations_dir)
+        store = CalibrationStore(settings.calibrations_dir)
+        assert store.load("tiny-balanced-v2").baseline is None
+        # The baseline job republishes the same version with its baseline: kept, not reloaded.
+        measured = calibration_of(engine, "tiny-balanced-v2")
+        measured.baseline = healthy_level().to_dict()
+        publish_calibration(telemetry, measured, "baseline:job-1")
+        wait_until(lambda: store.load("tiny-balanced-v2").baseline is not None, 30, 0.2)
     assert store.load("tiny-balanced-v2").data == {"corpus": "test"}
     with pytest.raises(CalibrationNotFoundError):
         store.load("other-v9")
