@@ -46,54 +46,46 @@ def register_tasks(app: Celery, settings: Settings) -> None:
     cfg = settings.jobs
     retries = cfg.max_retries
 
-    @app.task(
-        name=TASKS["recalibrate"],
-        bind=True,
-        max_retries=retries,
-        soft_time_limit=cfg.recalibrate_time_limit_s,
-        time_limit=cfg.recalibrate_time_limit_s + 60,
-    )
-    def recalibrate(task: Task[Any, Any], job_id: int) -> None:
+    def job_task(kind: str, limit_s: int, work: Callable[[], Work]) -> None:
+        """Register the task that runs jobs of `kind`; `work()` imports the job's function
+        (in the worker, on first use) and binds it to this worker's settings."""
+
+        @app.task(
+            name=TASKS[kind],
+            bind=True,
+            max_retries=retries,
+            soft_time_limit=limit_s,
+            time_limit=limit_s + 60,
+        )
+        def run(task: Task[Any, Any], job_id: int) -> None:
+            run_job(task, ctx, job_id, work())
+
+    def recalibrate() -> Work:
         from services.workers.recalibration import recalibrate
 
-        run_job(task, ctx, job_id, lambda job: recalibrate(settings, ctx.sessions, job))
+        return lambda job: recalibrate(settings, ctx.sessions, job)
 
-    @app.task(
-        name=TASKS["golden_check"],
-        bind=True,
-        max_retries=retries,
-        soft_time_limit=cfg.golden_time_limit_s,
-        time_limit=cfg.golden_time_limit_s + 60,
-    )
-    def golden_check(task: Task[Any, Any], job_id: int) -> None:
+    def golden_check() -> Work:
         from services.workers.drift import golden_check
 
-        run_job(task, ctx, job_id, lambda job: golden_check(settings, ctx.sessions, app, job))
+        return lambda job: golden_check(settings, ctx.sessions, app, job)
 
-    @app.task(
-        name=TASKS["trust_fit"],
-        bind=True,
-        max_retries=retries,
-        # Answering a few hundred QA items takes minutes; bounded like a recalibration.
-        soft_time_limit=cfg.recalibrate_time_limit_s,
-        time_limit=cfg.recalibrate_time_limit_s + 60,
-    )
-    def trust_fit(task: Task[Any, Any], job_id: int) -> None:
+    def trust_fit() -> Work:
         from services.workers.trust_fit import fit_trust
 
-        run_job(task, ctx, job_id, lambda job: fit_trust(settings, job))
+        return lambda job: fit_trust(settings, job)
 
-    @app.task(
-        name=TASKS["baseline"],
-        bind=True,
-        max_retries=retries,
-        soft_time_limit=cfg.recalibrate_time_limit_s,
-        time_limit=cfg.recalibrate_time_limit_s + 60,
-    )
-    def baseline(task: Task[Any, Any], job_id: int) -> None:
+    def baseline() -> Work:
         from services.workers.baseline_job import measure_baselines
 
-        run_job(task, ctx, job_id, lambda job: measure_baselines(settings, ctx.sessions, job))
+        return lambda job: measure_baselines(settings, ctx.sessions, job)
+
+    job_task("recalibrate", cfg.recalibrate_time_limit_s, recalibrate)
+    job_task("golden_check", cfg.golden_time_limit_s, golden_check)
+    # Answering a few hundred QA items, or the baseline pass, takes minutes: bounded like a
+    # recalibration.
+    job_task("trust_fit", cfg.recalibrate_time_limit_s, trust_fit)
+    job_task("baseline", cfg.recalibrate_time_limit_s, baseline)
 
     @app.task(name=NIGHTLY_GOLDEN, bind=True, max_retries=retries)
     def golden_nightly(task: Task[Any, Any]) -> None:
