@@ -24,6 +24,8 @@ WINDOW_METRICS = (
     "drift_samples",
     "silence_spikes",
     "silence_spike_share",
+    "late_silence_mean",
+    "layer_sparsity_shift",
     "cache_hit_rate_mean",
 )
 # What a `Deviation` threshold compares a window with: the aggregator puts each one's centre,
@@ -36,6 +38,7 @@ BASELINE_SIGNALS = (
     "gate_entropy",
     "activation_stability",
     "drift_kl",
+    "late_silence",
     "silence_spike",
     "cache_hit",
 )

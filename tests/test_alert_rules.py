@@ -40,6 +40,8 @@ def test_default_rules_cover_the_mission_alerts() -> None:
         "GateConfidenceOutOfBand",
         "SemanticDriftHigh",
         "SilenceSpikes",
+        "LateSilenceHigh",
+        "LayerSparsityShift",
         "PrefixCacheHitRateLow",
         "GateDegraded",
         "TelemetryPipelineLag",

@@ -1,10 +1,13 @@
 """The alert study's machinery on made-up requests (the real-model figures come from
 `sparseguard eval alerts`): healthy traffic drawn from a baseline's own distribution raises
-nothing, a gate-confidence fault is caught by its rule within minutes and resolves after."""
+nothing; a gate-confidence fault, one layer's sparsity shift and a late-silence rise are each
+caught by their rule within minutes and resolve after."""
 
 from __future__ import annotations
 
 import random
+
+import pytest
 
 from alerts.rules import DEFAULT_RULES, load_rules
 from services.config import Settings
@@ -21,13 +24,19 @@ from sparse_engine.sparsity.recorder import SignalSummary
 VERSION = "m-balanced-v1"
 
 
-def request(rng: random.Random, kind: str, gate: float) -> Measured:
+def request(
+    rng: random.Random, kind: str, gate: float, layer_shift: float = 0.0, silence: float = 0.0
+) -> Measured:
+    """A made-up answer; `layer_shift` moves the last layer's sparsity, `silence` adds to
+    every layer's silence rate."""
+    layers = [rng.gauss(0.45, 0.02) for _ in range(4)]
+    layers[-1] += layer_shift
     signals = SignalSummary(
         sparsity_ratio=rng.gauss(0.45, 0.03),
-        sparsity_per_layer=[0.45] * 4,
+        sparsity_per_layer=layers,
         gate_confidence=gate,
         activation_stability_pct=rng.gauss(10, 2),
-        silence_rate_per_layer=[rng.uniform(0.3, 0.5) for _ in range(4)],
+        silence_rate_per_layer=[rng.uniform(0.3, 0.5) + silence for _ in range(4)],
         step_sparsity=[],
         gate_entropy=rng.gauss(0.97, 0.005),
     )
@@ -49,13 +58,23 @@ def request(rng: random.Random, kind: str, gate: float) -> Measured:
     return Measured("healthy", kind, "prompt", "balanced", stats, Trust(0.9))
 
 
-def pool(seed: int, n: int, gate_mean: float) -> list[Measured]:
+def pool(seed: int, n: int, gate_mean: float, **fault: float) -> list[Measured]:
     rng = random.Random(seed)
     kinds = ("chat", "qa")
-    return [request(rng, kinds[i % 2], rng.gauss(gate_mean, 0.01)) for i in range(n)]
+    return [request(rng, kinds[i % 2], rng.gauss(gate_mean, 0.01), **fault) for i in range(n)]
 
 
-def test_healthy_replay_is_quiet_and_a_fault_is_caught_by_its_rule() -> None:
+FAULTS = [
+    ("GateConfidenceOutOfBand", {"gate_mean": 0.85}),
+    ("LayerSparsityShift", {"gate_mean": 0.95, "layer_shift": -0.03}),
+    ("LateSilenceHigh", {"gate_mean": 0.95, "silence": 0.1}),
+]
+
+
+@pytest.mark.parametrize(("rule", "fault"), FAULTS, ids=[f[0] for f in FAULTS])
+def test_healthy_replay_is_quiet_and_a_fault_is_caught_by_its_rule(
+    rule: str, fault: dict[str, float]
+) -> None:
     settings = Settings()
     baseline_pool = pool(1, 200, 0.95)
     baseline = summarise(
@@ -73,13 +92,13 @@ def test_healthy_replay_is_quiet_and_a_fault_is_caught_by_its_rule() -> None:
     quiet = firings(calm, replay(stream, rules, cals, settings.signals, calm.duration_s))
     assert quiet == []
 
-    fault = Scenario("low-gate", 4200, "low-gate", "balanced", 1800, 3000)
-    stream = events(fault, healthy, pool(3, 60, 0.85), 30, "m")
-    found = firings(fault, replay(stream, rules, cals, settings.signals, fault.duration_s))
-    result = fault_result(fault, "GateConfidenceOutOfBand", found)
+    faulty = Scenario(rule, 4200, rule, "balanced", 1800, 3000)
+    stream = events(faulty, healthy, pool(3, 60, **fault), 30, "m")
+    found = firings(faulty, replay(stream, rules, cals, settings.signals, faulty.duration_s))
+    result = fault_result(faulty, rule, found)
     assert result.detected_s is not None and 300 <= result.detected_s <= 600  # `for: 5m`
     assert result.reset_s is not None and 0 < result.reset_s <= 600
-    [score] = rule_scores(["GateConfidenceOutOfBand"], {"f": (fault, found)}, [result])
+    [score] = rule_scores([rule], {"f": (faulty, found)}, [result])
     assert (score.precision, score.recall) == (1.0, 1.0)
 
 

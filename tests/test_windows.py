@@ -93,6 +93,7 @@ def test_hand_made_events_give_known_answers_in_every_window() -> None:
         assert summary.activation_stability_mean == pytest.approx(3.0)
         assert summary.drift_kl_mean == pytest.approx(0.4) and summary.drift_samples == 1
         assert summary.silence_rate_per_layer == pytest.approx([0.3, 0.6, 0.5, 0.5])
+        assert summary.late_silence_mean == pytest.approx((0.9 + 0.1 + 0.65) / 3)  # last 3
         assert summary.silence_spikes == 1
         assert summary.trust_actions == {"flag": 1, "fallback": 1}
         assert summary.cache_hit_rate_mean == pytest.approx(0.9)
@@ -103,6 +104,20 @@ def test_hand_made_events_give_known_answers_in_every_window() -> None:
         assert ttft.p90 == ttft.p99 == pytest.approx(1000.0)  # exactly on an edge
         assert latency.p50 == pytest.approx(10 ** (47 / 20))  # 200 ms -> bin (199.5, 223.9]
         assert latency.p90 == latency.p99 == 5000.0  # bin edge 5011.9 capped at the max seen
+
+
+def test_layer_sparsity_shift_counts_standard_errors_beyond_each_layers_tolerance() -> None:
+    layer = {"mean": 0.40, "sd": 0.02, "tolerance": 0.01, "n": 100}
+    baseline = {"signals": {}, "sparsity_per_layer": [layer, layer]}
+    events = [make_event(secs(i), sparsity_per_layer=[0.40, 0.36]) for i in range(25)]
+    [summary] = [
+        w["5m"] for w in snapshot(fold(events), secs(30), baselines={"cal-1": baseline}).values()
+    ]
+    assert summary.sparsity_per_layer == pytest.approx([0.40, 0.36])
+    # layer 1: (0.04 - 0.01) / sqrt(0.02^2 / 25 + 0.02^2 / 100)
+    assert summary.layer_sparsity_shift == pytest.approx(0.03 / math.sqrt(0.0004 / 25 + 4e-6))
+    no_baseline = snapshot(fold(events), secs(30))[KEY]["5m"]
+    assert no_baseline.layer_sparsity_shift is None
 
 
 def test_window_bounds_follow_the_bucket_holding_now() -> None:
@@ -210,7 +225,7 @@ def test_memory_per_key_is_bounded_by_the_ring_sizes() -> None:
     for entry in state.keys.values():
         assert {w: sum(b is not None for b in r.slots) for w, r in entry.rings.items()} == sizes
         buckets = [b for r in entry.rings.values() for b in r.slots if b is not None]
-        assert all(len(b.silence_sums) == 4 and len(b.latency.counts) <= NUM_BINS for b in buckets)
+        assert all(len(b.silence.sums) == 4 and len(b.latency.counts) <= NUM_BINS for b in buckets)
 
 
 # --- brute force reference (Hypothesis) ------------------------------------------------------

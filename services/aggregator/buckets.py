@@ -18,8 +18,39 @@ MEAN_FIELDS = (
     "semantic_drift_kl",
     "cache_hit_rate",
     "gate_entropy",
+    "late_silence",  # the mean silence of the last `late_band` layers (not an event field)
 )
-SPARSITY, GATE, STABILITY, DRIFT, CACHE, ENTROPY = range(len(MEAN_FIELDS))
+SPARSITY, GATE, STABILITY, DRIFT, CACHE, ENTROPY, LATE_SILENCE = range(len(MEAN_FIELDS))
+
+
+@dataclass(slots=True)
+class LayerSums:
+    """Running sums of a per-layer signal (silence or sparsity per layer)."""
+
+    sums: list[float] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+
+    def add(self, values: list[float | None]) -> None:
+        self._grow(len(values))
+        for layer, value in enumerate(values):
+            if value is not None:
+                self.sums[layer] += value
+                self.counts[layer] += 1
+
+    def merge(self, other: LayerSums) -> None:
+        self._grow(len(other.sums))
+        for layer, count in enumerate(other.counts):
+            self.sums[layer] += other.sums[layer]
+            self.counts[layer] += count
+
+    def means(self) -> list[float]:
+        return [s / n if n else 0.0 for s, n in zip(self.sums, self.counts, strict=True)]
+
+    def _grow(self, num_layers: int) -> None:
+        missing = num_layers - len(self.sums)
+        if missing > 0:
+            self.sums.extend([0.0] * missing)
+            self.counts.extend([0] * missing)
 
 
 @dataclass(slots=True)
@@ -30,6 +61,7 @@ class Observation:
     values: list[float | None]  # aligned with MEAN_FIELDS
     gate_outside: bool = False
     silence: list[float | None] = field(default_factory=list)
+    sparsity: list[float | None] = field(default_factory=list)
     spike: bool = False
     trust_action: str | None = None
     ttft_ms: float | None = None
@@ -41,18 +73,21 @@ def is_spike(event: TelemetryEvent) -> bool:
     return event.status != "error" and REASON_SILENCE_SPIKE in event.trust_reasons
 
 
-def observe(event: TelemetryEvent, gate_band: tuple[float, float]) -> Observation:
+def observe(event: TelemetryEvent, gate_band: tuple[float, float], late_band: int) -> Observation:
     if event.status == "error":
         return Observation(is_error=True, values=[None] * len(MEAN_FIELDS))
-    values = [_finite(getattr(event, name)) for name in MEAN_FIELDS]
+    values = [_finite(getattr(event, name)) for name in MEAN_FIELDS[:LATE_SILENCE]]
     gate = values[GATE]
     silence = [_finite(rate) for rate in event.silence_rate_per_layer]
+    band = [rate for rate in silence[-late_band:] if rate is not None]
+    values.append(sum(band) / len(band) if band else None)
     action = event.trust_action if event.trust_action != "none" else None
     return Observation(
         is_error=False,
         values=values,
         gate_outside=gate is not None and not gate_band[0] <= gate <= gate_band[1],
         silence=silence,
+        sparsity=[_finite(rate) for rate in event.sparsity_per_layer],
         spike=is_spike(event),
         trust_action=action,
         ttft_ms=_finite(event.ttft_ms),
@@ -75,8 +110,8 @@ class Bucket:
     squares: list[float] = field(default_factory=lambda: [0.0] * len(MEAN_FIELDS))
     counts: list[int] = field(default_factory=lambda: [0] * len(MEAN_FIELDS))
     gate_outside: int = 0
-    silence_sums: list[float] = field(default_factory=list)
-    silence_counts: list[int] = field(default_factory=list)
+    silence: LayerSums = field(default_factory=LayerSums)
+    sparsity: LayerSums = field(default_factory=LayerSums)
     spikes: int = 0
     trust_actions: dict[str, int] = field(default_factory=dict)
     ttft: Histogram = field(default_factory=Histogram)
@@ -94,23 +129,14 @@ class Bucket:
                 self.counts[i] += 1
         self.gate_outside += obs.gate_outside
         self.spikes += obs.spike
-        self._grow(len(obs.silence))
-        for layer, rate in enumerate(obs.silence):
-            if rate is not None:
-                self.silence_sums[layer] += rate
-                self.silence_counts[layer] += 1
+        self.silence.add(obs.silence)
+        self.sparsity.add(obs.sparsity)
         if obs.trust_action is not None:
             self.trust_actions[obs.trust_action] = self.trust_actions.get(obs.trust_action, 0) + 1
         if obs.ttft_ms is not None:
             self.ttft.add(obs.ttft_ms)
         if obs.total_ms is not None:
             self.latency.add(obs.total_ms)
-
-    def _grow(self, num_layers: int) -> None:
-        missing = num_layers - len(self.silence_sums)
-        if missing > 0:
-            self.silence_sums.extend([0.0] * missing)
-            self.silence_counts.extend([0] * missing)
 
     def merge(self, other: Bucket) -> None:
         self.requests += other.requests
@@ -120,10 +146,8 @@ class Bucket:
         self.counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
         self.gate_outside += other.gate_outside
         self.spikes += other.spikes
-        self._grow(len(other.silence_sums))
-        for layer, count in enumerate(other.silence_counts):
-            self.silence_sums[layer] += other.silence_sums[layer]
-            self.silence_counts[layer] += count
+        self.silence.merge(other.silence)
+        self.sparsity.merge(other.sparsity)
         for action, count in other.trust_actions.items():
             self.trust_actions[action] = self.trust_actions.get(action, 0) + count
         self.ttft.merge(other.ttft)

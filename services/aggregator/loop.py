@@ -56,7 +56,9 @@ class Aggregator:
         self.after_persist = after_persist  # tests use it to crash between persist and commit
         self.state = windows.new_state(
             windows.FoldConfig(
-                lateness_s=settings.aggregator.lateness_s, gate_band=settings.signals.gate_band
+                lateness_s=settings.aggregator.lateness_s,
+                gate_band=settings.signals.gate_band,
+                late_band=settings.signals.late_band,
             )
         )
         self.lock = threading.Lock()  # the HTTP thread reads the state

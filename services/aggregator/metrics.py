@@ -30,6 +30,8 @@ WINDOW_GAUGES = {
     "drift_samples": "sparseguard_window_semantic_drift_samples",
     "silence_spikes": "sparseguard_window_silence_spikes",
     "silence_spike_share": "sparseguard_window_silence_spike_ratio",
+    "late_silence_mean": "sparseguard_window_late_silence_ratio",
+    "layer_sparsity_shift": "sparseguard_window_layer_sparsity_shift",
     "cache_hit_rate_mean": "sparseguard_window_cache_hit_ratio",
 }
 # What each key's windows are compared with (services/aggregator/references.py), per signal.

@@ -25,6 +25,7 @@ FROM_BASELINE = {
     "gate_entropy": "gate_entropy",
     "activation_stability": "activation_stability_pct",
     "drift_kl": "semantic_drift_kl",
+    "late_silence": "late_silence",
 }
 MIN_TRAILING = 200  # requests in the trailing 24 h before it is the cache hit rate's reference
 
@@ -63,6 +64,28 @@ def baseline_references(artefact_baseline: Mapping[str, Any] | None) -> dict[str
         for name, signal in FROM_BASELINE.items()
         if (s := stats.get(signal)) is not None
     }
+
+
+def layer_sparsity(artefact_baseline: Mapping[str, Any] | None) -> list[Reference]:
+    """Each layer's sparsity reference (empty without a baseline)."""
+    layers = (artefact_baseline or {}).get("sparsity_per_layer", [])
+    return [
+        Reference(s["mean"], s["sd"], s["tolerance"], "baseline", s["sd"] / math.sqrt(s["n"]))
+        for s in layers
+    ]
+
+
+def layer_shift(sums: list[float], counts: list[int], layers: list[Reference]) -> float | None:
+    """How far the most shifted layer's window mean sparsity is from its baseline: the largest
+    (|mean - centre| - tolerance) / sqrt(spread^2 / n + error^2) over layers, in standard
+    errors (a healthy window stays below a few; a layer whose MLP stopped working moves its
+    neighbours' sparsity by many). None without a baseline or requests."""
+    found = [
+        (abs(total / n - ref.center) - ref.tolerance) / math.sqrt(ref.spread**2 / n + ref.error**2)
+        for total, n, ref in zip(sums, counts, layers, strict=False)
+        if n > 0 and (ref.spread > 0 or ref.error > 0)
+    ]
+    return max(found) if found else None
 
 
 def spike_reference(signals: SignalSettings, measured: bool) -> Reference:

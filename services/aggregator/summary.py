@@ -28,6 +28,11 @@ class WindowSummary:
     drift_kl_mean: float | None
     drift_samples: int
     silence_rate_per_layer: list[float]
+    late_silence_mean: float | None  # mean late-band silence (the silence-spike signal)
+    sparsity_per_layer: list[float]
+    # The largest per-layer sparsity shift against the baseline, in standard errors beyond
+    # the layer's tolerance (services/aggregator/references.py layer_shift); None without one.
+    layer_sparsity_shift: float | None
     silence_spikes: int
     silence_spike_share: float | None
     trust_actions: dict[str, int]

@@ -34,12 +34,13 @@ from services.aggregator.buckets import (
     DRIFT,
     ENTROPY,
     GATE,
+    LATE_SILENCE,
     SPARSITY,
     STABILITY,
     Bucket,
     observe,
 )
-from services.aggregator.references import Reference, references
+from services.aggregator.references import Reference, layer_shift, layer_sparsity, references
 from services.aggregator.summary import WindowSummary
 from services.config import SignalSettings
 from services.telemetry.schema import TelemetryEvent
@@ -56,6 +57,7 @@ class FoldConfig:
     lateness_s: float = 120.0
     # The healthy gate confidence band; the aggregator passes settings.signals.gate_band.
     gate_band: tuple[float, float] = field(default_factory=lambda: SignalSettings().gate_band)
+    late_band: int = field(default_factory=lambda: SignalSettings().late_band)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.bucket_s) - set(WINDOWS))
@@ -139,7 +141,7 @@ def _apply_one(state: State, event: TelemetryEvent) -> None:
         state.late_dropped += 1
         return
     entry.watermark = max(entry.watermark, at)
-    obs = observe(event, state.config.gate_band)
+    obs = observe(event, state.config.gate_band, state.config.late_band)
     if not obs.is_error and event.calibration_version is not None:
         entry.calibration = max(entry.calibration or (at, ""), (at, event.calibration_version))
     for ring in entry.rings.values():
@@ -167,15 +169,17 @@ def snapshot(
     for key, entry in state.keys.items():
         totals = {w: (ring, _total(ring, at)) for w, ring in entry.rings.items()}
         version = entry.calibration[1] if entry.calibration else None
+        baseline = (baselines or {}).get(version) if version is not None else None
         refs = _references(
             key[1],
             signals or SignalSettings(),
-            (baselines or {}).get(version) if version is not None else None,
+            baseline,
             (targets or {}).get(version) if version is not None else None,
             totals.get("24h", (None, None))[1],
         )
+        layers = layer_sparsity(baseline) if key[1] != DENSE else []
         found[key] = {
-            w: _summarize(w, ring, total, at, version, refs, targets or {})
+            w: _summarize(w, ring, total, at, version, refs, targets or {}, layers)
             for w, (ring, total) in totals.items()
         }
     return found
@@ -214,10 +218,10 @@ def _summarize(
     version: str | None,
     refs: dict[str, Reference],
     targets: Mapping[str, float],
+    layers: list[Reference],
 ) -> WindowSummary:
     last = math.floor(at / ring.bucket_s)
     outside = total.gate_outside / total.counts[GATE] if total.counts[GATE] else None
-    silence = zip(total.silence_sums, total.silence_counts, strict=True)
     answered = total.requests - total.errors
     return WindowSummary(
         window=window,
@@ -234,7 +238,10 @@ def _summarize(
         gate_entropy_mean=total.mean(ENTROPY),
         drift_kl_mean=total.mean(DRIFT),
         drift_samples=total.counts[DRIFT],
-        silence_rate_per_layer=[s / n if n else 0.0 for s, n in silence],
+        silence_rate_per_layer=total.silence.means(),
+        late_silence_mean=total.mean(LATE_SILENCE),
+        sparsity_per_layer=total.sparsity.means(),
+        layer_sparsity_shift=layer_shift(total.sparsity.sums, total.sparsity.counts, layers),
         silence_spikes=total.spikes,
         silence_spike_share=total.spikes / answered if answered else None,
         trust_actions=dict(total.trust_actions),

@@ -1,4 +1,4 @@
-"""Run a set of child processes as one service: start them in order and wait until each is
+"""Run a set of child processes as one service: start them together and wait until each is
 ready, prefix and forward their output, restart a child that dies (a few times, then report
 and give up), and stop them all, nothing left running, on request."""
 
@@ -73,9 +73,12 @@ class Supervisor:
         self._lock = threading.Lock()
 
     def start(self) -> None:
-        """Start every child in order, each once the previous is ready."""
+        """Start every child at once (none needs another to be ready: they meet through the
+        broker, the database and Redis), then wait until each is ready. Started one after the
+        other, the four children of `sparseguard up` took 7.6-11.6 s each on 2 cores."""
         for spec in self.specs:
             self._launch(spec)
+        for spec in self.specs:
             self._wait_ready(self.children[spec.name])
 
     def watch(self, stop: threading.Event, every_s: float = 0.5) -> None:

@@ -117,7 +117,9 @@ def replay(
     step_s: float = STEP_S,
 ) -> list[Transition]:
     """Every alert transition of the stream, evaluated each `step_s` of event time."""
-    state = windows.new_state(windows.FoldConfig(gate_band=signals.gate_band))
+    state = windows.new_state(
+        windows.FoldConfig(gate_band=signals.gate_band, late_band=signals.late_band)
+    )
     alerts = EvalState()
     found: list[Transition] = []
     pending = next(stream, None)

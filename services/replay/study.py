@@ -31,10 +31,10 @@ from sparse_engine.trust.features import from_stats
 # The rule each fault is meant to raise.
 INTENDED = {
     "miscalibrated": "GateConfidenceOutOfBand",
-    "damaged": "SilenceSpikes",
+    "damaged": "LayerSparsityShift",
     "garbage": "SilenceSpikes",
-    "templated": "GateConfidenceOutOfBand",
-    "multilingual": "SilenceSpikes",
+    "templated": "LateSilenceHigh",
+    "multilingual": "GateConfidenceOutOfBand",
     "prefix-defeating": "PrefixCacheHitRateLow",
 }
 REASONS = (REASON_SILENCE_SPIKE, REASON_GATE_DEGRADED, REASON_MONOTONOUS_INPUT, REASON_LOW_SCORE)

@@ -60,6 +60,8 @@ class WindowRow(BaseModel):
     sparsity_target: float | None
     gate_confidence_mean: float | None
     drift_kl_mean: float | None
+    late_silence_mean: float | None
+    layer_sparsity_shift: float | None  # standard errors beyond a layer's tolerance
     cache_hit_rate_mean: float | None
     latency_p50_ms: float | None
     latency_p99_ms: float | None
@@ -217,6 +219,8 @@ def _window_row(snapshot: WindowSnapshot, rules: list[Rule]) -> WindowRow:
         sparsity_target=data.get("sparsity_target"),
         gate_confidence_mean=data.get("gate_confidence_mean"),
         drift_kl_mean=data.get("drift_kl_mean"),
+        late_silence_mean=data.get("late_silence_mean"),
+        layer_sparsity_shift=data.get("layer_sparsity_shift"),
         cache_hit_rate_mean=data.get("cache_hit_rate_mean"),
         latency_p50_ms=latency.get("p50"),
         latency_p99_ms=latency.get("p99"),

@@ -1,0 +1,96 @@
+"""The status page on healthy traffic, in headless Chromium: each level's calibration carries a
+healthy baseline measured on the same engine (other prompts of the same kind), the default
+alert rules judge real traffic against it (enough requests that every window rule applies),
+and the page shows no marked cell and no alert. Saves `.artifacts/status-page-healthy.png`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+from prometheus_client import CollectorRegistry
+
+from alerts.rules import DEFAULT_RULES, load_rules
+from services.aggregator.alert_loop import AlertLoop
+from services.aggregator.loop import Aggregator
+from services.aggregator.metrics import AggregatorMetrics
+from services.config import Settings
+from services.gateway.app import create_app
+from services.shared.serving import serve
+from services.storage.db import make_engine, session_factory
+from services.storage.repository import calibration_row, upsert_calibration
+from services.telemetry.broker import Broker
+from sparse_engine.calibration.baseline import run_prompts, summarise
+from sparse_engine.calibration.store import CalibrationStore
+from sparse_engine.data.traffic import Prompt
+from sparse_engine.runtime.engine import Engine
+from sparse_engine.sparsity.plan import Level
+from tests.aggregator_fixtures import running
+from tests.polling import wait_until
+from tests.status_fixtures import artifacts_dir, dump_dom, needs_chromium, screenshot
+from tests.tiny import calibration_of, tiny_engine
+from tests.traffic_fixtures import LEVELS, TARGETS, send_traffic, traffic_settings
+
+# Disjoint halves of one distribution of questions: the baseline's and the traffic's.
+BASELINE_ROUNDS, TRAFFIC_ROUNDS = range(0, 60, 2), range(1, 60, 2)
+REQUESTS_PER_LEVEL = len(TRAFFIC_ROUNDS)  # over every window rule's min_requests (20)
+MAX_TOKENS = 8  # send_traffic's answer length
+
+
+def register_healthy_calibrations(settings: Settings, engine: Engine) -> None:
+    """The tiny engine's plans as calibrations, in the store the gateway's reasons read and in
+    SQL where the aggregator reads them, with baselines it measured on the other half of the
+    traffic's questions (send_traffic's prompts)."""
+    prompts = [Prompt("chat", f"Question {i}: what is sparsity?") for i in BASELINE_ROUNDS]
+    sessions = session_factory(make_engine(settings.database_url))
+    with sessions.begin() as session:
+        for name in LEVELS:
+            level = Level.parse(name)
+            plan = engine.plan(level)
+            assert plan.calibration_version is not None
+            cal = calibration_of(engine, plan.calibration_version)
+            cal.level, cal.target_sparsity = name, TARGETS[name]
+            cal.realised_sparsity = TARGETS[name]
+            cal.thresholds = {role: list(values) for role, values in plan.thresholds.items()}
+            answers = run_prompts(engine, level, prompts, MAX_TOKENS)
+            cal.baseline = summarise(level, prompts, answers, MAX_TOKENS).to_dict()
+            CalibrationStore(settings.calibrations_dir).save(cal)
+            upsert_calibration(session, calibration_row(cal, "cli"))
+
+
+@needs_chromium
+def test_healthy_traffic_leaves_the_status_page_green(kafka_broker: Broker, tmp_path: Path) -> None:
+    settings = traffic_settings(tmp_path, kafka_broker)
+    settings.alerts.rules_file = DEFAULT_RULES
+    sessions = session_factory(make_engine(settings.database_url))
+    registry = CollectorRegistry()
+    alerting = AlertLoop(settings.alerts, sessions, registry)
+    aggregator = Aggregator(settings, sessions, AggregatorMetrics(registry), alerting=alerting)
+    engine = tiny_engine()
+    register_healthy_calibrations(settings, engine)
+    with running(aggregator), serve(create_app(settings, engine=engine)) as url:
+        with httpx.Client(base_url=url, timeout=30) as client:
+            send_traffic(client, TRAFFIC_ROUNDS)
+        wait_until(lambda: aggregator.folded == len(LEVELS) * REQUESTS_PER_LEVEL)
+        aggregator.persist_snapshots()
+        aggregator.evaluate_alerts()
+        windows = aggregator.snapshot()
+        dom = dump_dom(f"{url}/status", tmp_path / "profile")
+        shot = artifacts_dir() / "status-page-healthy.png"
+        screenshot(f"{url}/status", shot, tmp_path / "shot")
+    # The window rules had data: the baselines were read and the windows were full enough.
+    rules = load_rules(DEFAULT_RULES, settings.signals.as_thresholds())
+    assert min(r.min_requests for r in rules if r.window) <= REQUESTS_PER_LEVEL
+    for level in LEVELS:
+        five = windows[(engine.lm.model_id, level)]["5m"]
+        assert five.requests == REQUESTS_PER_LEVEL
+        assert {"sparsity", "gate_confidence", "late_silence"} <= {
+            name for name, ref in five.references.items() if ref.source == "baseline"
+        }
+        assert five.layer_sparsity_shift is not None
+    rows = dom.find("table", id="windows").rows()
+    assert len(rows) == len(LEVELS) * 3
+    marked = [c.text() for r in rows for c in r.find_all("td") if "bad" in c.attrs.get("class", "")]
+    assert marked == []
+    assert dom.find("table", id="alerts").text().strip().endswith("No alerts.")
+    assert shot.stat().st_size > 20_000
