@@ -213,15 +213,29 @@ def test_flag_threshold_spends_the_flag_budget_on_healthy_answers() -> None:
 
     labels = [i % 2 == 0 for i in range(80)]
     model = fit([answer(r) for r in labels], labels, model_id="m", level="balanced", fit_data={})
-    assert model.flag_threshold is None  # until scored on healthy traffic
+    assert model.flag_thresholds == {}  # until scored on healthy traffic
     healthy = [answer(rng.random() < 0.8) for _ in range(199)]
-    scores = set_flag_threshold(model, healthy, 0.05, route="chat")
-    assert model.flag_threshold is not None and model.flag_fit["requests"] == 199
-    assert sum(s < model.flag_threshold for s in scores) <= 0.05 * 200
+    scores = set_flag_threshold(model, healthy, 0.05, "chat", "balanced")
+    threshold = model.flag_thresholds["balanced"]
+    assert model.flag_fit["balanced"]["requests"] == 199
+    assert sum(s < threshold for s in scores) <= 0.05 * 200
     held_out = [model.score(answer(rng.random() < 0.8)) for _ in range(2000)]
-    assert sum(s < model.flag_threshold for s in held_out) / 2000 <= 0.05 + 0.05
+    assert sum(s < threshold for s in held_out) / 2000 <= 0.05 + 0.05
+    # A sparser level's healthy answers score lower: their own threshold, not balanced's.
+    worse = [answer(rng.random() < 0.5) for _ in range(199)]
+    set_flag_threshold(model, worse, 0.05, "chat", "aggressive")
+    assert model.flag_thresholds["aggressive"] < threshold
+    judge = TrustJudge(TrustSettings(min_score=0.3), SignalSettings(), model)
+    assert judge.flag_below(model, None, "aggressive") == model.flag_thresholds["aggressive"]
+    assert judge.flag_below(model, None, "conservative") == 0.3  # none measured there
     reloaded = TrustModel.from_dict(model.to_dict())
-    assert reloaded.flag_threshold == model.flag_threshold
+    assert reloaded.flag_thresholds == model.flag_thresholds
+    # A model saved with one threshold (its fit level's) loads as that level's.
+    legacy = {k: v for k, v in model.to_dict().items() if k not in ("flag_thresholds",)}
+    legacy |= {"flag_threshold": threshold, "flag_fit": {"requests": 199}}
+    old = TrustModel.from_dict(legacy)
+    assert old.flag_thresholds == {"balanced": threshold}
+    assert old.flag_fit == {"balanced": {"requests": 199}}
 
 
 def test_the_rule_score_flags_within_the_budget_of_the_baselines_late_silence() -> None:
@@ -229,6 +243,6 @@ def test_the_rule_score_flags_within_the_budget_of_the_baselines_late_silence() 
     the same budget on the baseline's late-band silence."""
     judge = TrustJudge(TrustSettings(flag_budget=0.05), SignalSettings(), None)
     healthy = healthy_level()  # late-band silence uniform on [0.80, 0.90], 200 requests
-    floor = judge.flag_below(None, healthy)
+    floor = judge.flag_below(None, healthy, "balanced")
     assert 1 - 0.90 < floor < 1 - 0.89  # only the top ~5 % of healthy silence is flagged
-    assert judge.flag_below(None, None) == TrustSettings().min_score  # no baseline: fallback
+    assert judge.flag_below(None, None, "balanced") == TrustSettings().min_score  # no baseline: fallback

@@ -30,6 +30,8 @@ def job_env(state: Path, cache: Path, **settings: str | int | float) -> dict[str
         # and its baseline pass a couple of requests per kind of traffic, a few tokens each
         "SPARSEGUARD_ENGINE__BASELINE_REQUESTS": "10",
         "SPARSEGUARD_ENGINE__BASELINE_MAX_NEW_TOKENS": "4",
+        # and a trust fit's flag thresholds a few healthy chat answers per level
+        "SPARSEGUARD_TRUST__FLAG_REQUESTS": "20",
     }
     env.update({f"SPARSEGUARD_{key.upper()}": str(value) for key, value in settings.items()})
     return env

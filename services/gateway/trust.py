@@ -103,7 +103,7 @@ class TrustJudge:
         score = self._score(model, sig)
         z = self.baseline.z(stats.level, late)
         healthy = self.book.lookup(stats.calibration_version, stats.level)
-        flag_below = self.flag_below(model, healthy)
+        flag_below = self.flag_below(model, healthy, stats.level)
         reasons = trust_reasons(sig, score, self.signals, flag_below, is_dense, healthy, z)
         if stats.signals is not None:
             self.baseline.update(stats.level, late)
@@ -111,14 +111,14 @@ class TrustJudge:
         action = "flag" if low else "none"
         return Trust(round(score, 4), reasons, low, action, late)
 
-    def flag_below(self, model: TrustModel | None, healthy: LevelBaseline | None) -> float:
-        """The model's healthy-traffic threshold (flag budget). Without a model the score is
-        1 - late-band silence, so the same budget applies to the baseline's late-band silence;
-        else the fixed minimum score."""
+    def flag_below(
+        self, model: TrustModel | None, healthy: LevelBaseline | None, level: str
+    ) -> float:
+        """The model's healthy-traffic threshold at `level` (flag budget). Without a model the
+        score is 1 - late-band silence, so the same budget applies to the baseline's late-band
+        silence; else the fixed minimum score."""
         if model is not None:
-            if model.flag_threshold is not None:
-                return model.flag_threshold
-            return self.cfg.min_score
+            return model.flag_thresholds.get(level, self.cfg.min_score)
         late = healthy.get("late_silence") if healthy is not None else None
         if late is None:
             return self.cfg.min_score

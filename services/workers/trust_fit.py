@@ -105,9 +105,12 @@ def fit_model(
         l2=spec.l2,
         late_band=settings.signals.late_band,
     )
+    # One threshold per served level: a sparser level's answers score lower, so a threshold
+    # measured at one level flags a quarter of another's healthy chat (README).
     chat = traffic.healthy("chat", settings.cache_home, "baseline", settings.trust.flag_requests)
-    healthy = healthy_signals(eng, Level.parse(spec.level), chat, spec.max_new_tokens, progress)
-    set_flag_threshold(model, healthy, settings.trust.flag_budget, route="chat")
+    for level in sorted(eng.plans, key=list(Level).index):  # dense and every sparse level
+        healthy = healthy_signals(eng, level, chat, spec.max_new_tokens, progress)
+        set_flag_threshold(model, healthy, settings.trust.flag_budget, "chat", level.value)
     return TrustStore(settings.trust_dir).save(model), records
 
 

@@ -59,14 +59,17 @@ def conformal_ceiling(values: Sequence[float], budget: float) -> float:
 
 
 def set_flag_threshold(
-    model: TrustModel, healthy: Sequence[RequestSignals], budget: float, route: str
+    model: TrustModel, healthy: Sequence[RequestSignals], budget: float, route: str, level: str
 ) -> list[float]:
-    """Score the healthy answers, store the budgeted threshold in `model`, return the scores."""
+    """Score the healthy answers at `level`, store the budgeted threshold for that level in
+    `model` (none when too few answers to spend the budget), return the scores."""
     scores = [model.score(s) for s in healthy]
     floor = conformal_floor(scores, budget)
-    model.flag_threshold = None if math.isinf(floor) else floor
+    model.flag_thresholds.pop(level, None)
+    if not math.isinf(floor):
+        model.flag_thresholds[level] = floor
     flagged = sum(s < floor for s in scores)
-    model.flag_fit = {
+    model.flag_fit[level] = {
         "route": route,
         "requests": len(scores),
         "budget": budget,

@@ -50,10 +50,11 @@ class TrustModel:
     # The late band its late-silence feature was fit with; a model saved without one was fit
     # with the default.
     late_band: int = LATE_BAND
-    # Scores below this flag an answer: the healthy-traffic threshold (`trust.flagging`); None
-    # in models saved before it existed (the gateway then uses its fixed minimum score).
-    flag_threshold: float | None = None
-    flag_fit: dict[str, Any] = field(default_factory=dict)
+    # Per served level, scores below this flag an answer: the healthy-traffic threshold
+    # (`trust.flagging`), measured on answers at that level (sparser levels score lower). A
+    # level without one (or a model saved before them) uses the gateway's fixed minimum score.
+    flag_thresholds: dict[str, float] = field(default_factory=dict)
+    flag_fit: dict[str, dict[str, Any]] = field(default_factory=dict)  # per level
     created_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
     version: str = ""
 
@@ -78,13 +79,14 @@ class TrustModel:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrustModel:
         fields = dataclasses.fields(cls)
-        optional = ("created_at", "late_band", "flag_threshold", "flag_fit")
+        optional = ("created_at", "late_band", "flag_thresholds", "flag_fit")
         missing = [f.name for f in fields if f.name not in data and f.name not in optional]
         if missing:
             raise ValueError(
                 f"trust model {data.get('version', '?')} lacks {missing}: it was made by an "
                 "older version; fit a new one with `sparseguard trust fit`"
             )
+        data = _per_level_flags(data)
         model = cls(**{k: v for k, v in data.items() if k in {f.name for f in fields}})
         if model.feature_names != feature_names(model.probe_size):
             raise ValueError(
@@ -92,6 +94,17 @@ class TrustModel:
                 "reads others: fit a new one with `sparseguard trust fit`"
             )
         return model
+
+
+def _per_level_flags(data: dict[str, Any]) -> dict[str, Any]:
+    """A model saved with one `flag_threshold` (measured at its fit level) as per-level ones."""
+    if "flag_threshold" not in data:
+        return data
+    found = {k: v for k, v in data.items() if k != "flag_threshold"}
+    level, threshold = data.get("level", ""), data["flag_threshold"]
+    found["flag_thresholds"] = {} if threshold is None else {level: threshold}
+    found["flag_fit"] = {level: data["flag_fit"]} if data.get("flag_fit") else {}
+    return found
 
 
 def fit(
