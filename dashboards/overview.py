@@ -4,7 +4,7 @@ and latency of the selected models and levels."""
 from __future__ import annotations
 
 from dashboards.model import Dashboard, Panel, Row, Target
-from dashboards.promql import quantiles, rate, window
+from dashboards.promql import KEY, quantiles, rate, select, window
 from services.config import SignalSettings
 
 PER_KEY = "{{model}} {{level}}"
@@ -65,6 +65,30 @@ def overview(signals: SignalSettings | None = None) -> Dashboard:
                 base_color="red",
                 steps=((low, "green"), (high, "orange"), (monotonous, "red")),
                 show_thresholds="line+area",
+            ),
+            Panel(
+                "Per-layer sparsity shift (5m window)",
+                (Target(window("sparseguard_window_layer_sparsity_shift"), PER_KEY),),
+                description="The most shifted layer's mean sparsity, in standard errors beyond "
+                f"its healthy tolerance; above {signals.alert_z:g} for 5 minutes alerts "
+                "(LayerSparsityShift): part of the model computes unlike when calibrated.",
+                steps=((signals.alert_z, "red"),),
+                show_thresholds="line",
+            ),
+            Panel(
+                "Late-band silence vs healthy baseline (5m window)",
+                (
+                    Target(window("sparseguard_window_late_silence_ratio"), PER_KEY),
+                    Target(
+                        select("sparseguard_baseline_center", f'{KEY}, signal="late_silence"'),
+                        f"{PER_KEY} baseline",
+                    ),
+                ),
+                description="Mean silence of the last layers and what the calibration measured "
+                "on healthy traffic; significantly above it alerts (LateSilenceHigh).",
+                unit="percentunit",
+                min=0,
+                max=1,
             ),
             Panel(
                 "Semantic drift KL(dense || sparse)",

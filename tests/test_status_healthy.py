@@ -14,48 +14,23 @@ from alerts.rules import DEFAULT_RULES, load_rules
 from services.aggregator.alert_loop import AlertLoop
 from services.aggregator.loop import Aggregator
 from services.aggregator.metrics import AggregatorMetrics
-from services.config import Settings
 from services.gateway.app import create_app
 from services.shared.serving import serve
 from services.storage.db import make_engine, session_factory
-from services.storage.repository import calibration_row, upsert_calibration
 from services.telemetry.broker import Broker
-from sparse_engine.calibration.baseline import run_prompts, summarise
-from sparse_engine.calibration.store import CalibrationStore
-from sparse_engine.data.traffic import Prompt
-from sparse_engine.runtime.engine import Engine
-from sparse_engine.sparsity.plan import Level
 from tests.aggregator_fixtures import running
 from tests.polling import wait_until
 from tests.status_fixtures import artifacts_dir, dump_dom, needs_chromium, screenshot
-from tests.tiny import calibration_of, tiny_engine
-from tests.traffic_fixtures import LEVELS, TARGETS, send_traffic, traffic_settings
+from tests.tiny import tiny_engine
+from tests.traffic_fixtures import (
+    LEVELS,
+    TRAFFIC_ROUNDS,
+    register_healthy_calibrations,
+    send_traffic,
+    traffic_settings,
+)
 
-# Disjoint halves of one distribution of questions: the baseline's and the traffic's.
-BASELINE_ROUNDS, TRAFFIC_ROUNDS = range(0, 60, 2), range(1, 60, 2)
 REQUESTS_PER_LEVEL = len(TRAFFIC_ROUNDS)  # over every window rule's min_requests (20)
-MAX_TOKENS = 8  # send_traffic's answer length
-
-
-def register_healthy_calibrations(settings: Settings, engine: Engine) -> None:
-    """The tiny engine's plans as calibrations, in the store the gateway's reasons read and in
-    SQL where the aggregator reads them, with baselines it measured on the other half of the
-    traffic's questions (send_traffic's prompts)."""
-    prompts = [Prompt("chat", f"Question {i}: what is sparsity?") for i in BASELINE_ROUNDS]
-    sessions = session_factory(make_engine(settings.database_url))
-    with sessions.begin() as session:
-        for name in LEVELS:
-            level = Level.parse(name)
-            plan = engine.plan(level)
-            assert plan.calibration_version is not None
-            cal = calibration_of(engine, plan.calibration_version)
-            cal.level, cal.target_sparsity = name, TARGETS[name]
-            cal.realised_sparsity = TARGETS[name]
-            cal.thresholds = {role: list(values) for role, values in plan.thresholds.items()}
-            answers = run_prompts(engine, level, prompts, MAX_TOKENS)
-            cal.baseline = summarise(level, prompts, answers, MAX_TOKENS).to_dict()
-            CalibrationStore(settings.calibrations_dir).save(cal)
-            upsert_calibration(session, calibration_row(cal, "cli"))
 
 
 @needs_chromium

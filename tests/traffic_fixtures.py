@@ -11,12 +11,21 @@ import httpx
 from sqlalchemy.orm import Session, sessionmaker
 
 from services.config import AlertSettings, EngineSettings, Settings, WebhookReceiver
-from services.storage.repository import upsert_calibration
+from services.storage.db import make_engine, session_factory
+from services.storage.repository import calibration_row, upsert_calibration
 from services.telemetry.broker import Broker
+from sparse_engine.calibration.baseline import run_prompts, summarise
+from sparse_engine.calibration.store import CalibrationStore
+from sparse_engine.data.traffic import Prompt
 from sparse_engine.runtime.engine import Engine
+from sparse_engine.sparsity.plan import Level
 from tests.aggregator_fixtures import pipeline_settings
+from tests.tiny import calibration_of
 
 LEVELS = ("conservative", "balanced")
+# Disjoint halves of send_traffic's questions: a healthy baseline's and the traffic's.
+BASELINE_ROUNDS, TRAFFIC_ROUNDS = range(0, 60, 2), range(1, 60, 2)
+MAX_TOKENS = 8  # send_traffic's answer length
 TARGETS = {"conservative": 0.3, "balanced": 0.5, "aggressive": 0.7}  # tiny_engine()'s plans
 
 
@@ -102,3 +111,25 @@ def send_traffic(client: httpx.Client, rounds: range) -> set[str]:
             if "action=none" not in response.headers["x-ir-trust"]:
                 flagged.add(response.headers["x-ir-trace-id"])
     return flagged
+
+
+def register_healthy_calibrations(settings: Settings, engine: Engine, store: bool = True) -> None:
+    """The tiny engine's plans as calibrations, in SQL where the aggregator reads them and
+    (`store`) in the store the gateway's reasons read, with baselines it measured on the
+    other half of the traffic's questions (send_traffic's prompts)."""
+    prompts = [Prompt("chat", f"Question {i}: what is sparsity?") for i in BASELINE_ROUNDS]
+    sessions = session_factory(make_engine(settings.database_url))
+    with sessions.begin() as session:
+        for name in LEVELS:
+            level = Level.parse(name)
+            plan = engine.plan(level)
+            assert plan.calibration_version is not None
+            cal = calibration_of(engine, plan.calibration_version)
+            cal.level, cal.target_sparsity = name, TARGETS[name]
+            cal.realised_sparsity = TARGETS[name]
+            cal.thresholds = {role: list(values) for role, values in plan.thresholds.items()}
+            answers = run_prompts(engine, level, prompts, MAX_TOKENS)
+            cal.baseline = summarise(level, prompts, answers, MAX_TOKENS).to_dict()
+            if store:
+                CalibrationStore(settings.calibrations_dir).save(cal)
+            upsert_calibration(session, calibration_row(cal, "cli"))
