@@ -7,6 +7,7 @@ rerun with other rule settings replays in seconds (`--remeasure` measures again)
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import pickle
 from dataclasses import replace
@@ -109,12 +110,13 @@ def _pools(
     faults: list[str],
     fault_level: Level,
 ) -> dict[str, Any]:
-    path = _pool_path(settings, versions, args, fault_level)
+    judge = load_judge(settings, lm.model_id)
+    judge.book = BaselineBook(store(settings))
+    trust = [m.version for m in (judge.model, *judge.per_level.values()) if m is not None]
+    path = _pool_path(settings, [*versions, *trust], args, fault_level)
     kept: dict[str, Any] = {"healthy": {}, "faults": {}}
     if path.is_file() and not args.remeasure:
         kept = pickle.loads(path.read_bytes())  # our own file, written below
-    judge = load_judge(settings, lm.model_id)
-    judge.book = BaselineBook(store(settings))
     total = len(Level) * args.healthy * ("dense" not in kept["healthy"])
     total += args.faulty * sum(f not in kept["faults"] for f in faults)
     with tqdm(total=total, desc="measuring requests", unit="req") as bar:
@@ -135,7 +137,9 @@ def _pools(
 def _pool_path(
     settings: Settings, versions: list[str], args: argparse.Namespace, level: Level
 ) -> Path:
-    name = "-".join(v.rsplit("-", 1)[-1] for v in versions)
+    """Keyed by the calibration and trust model versions that judged the requests (a
+    calibration re-measured with a new baseline, or a new trust model, measures again)."""
+    name = hashlib.sha256(",".join(sorted(versions)).encode()).hexdigest()[:16]
     tokens = settings.engine.baseline_max_new_tokens
     return (
         settings.home
