@@ -48,30 +48,6 @@ def test_shared_prefix_is_reused_and_output_unchanged(level: Level) -> None:
     assert second.token_ids == reference.token_ids
 
 
-def other(question: str) -> GenerationRequest:
-    messages = [{"role": "user", "content": question}]
-    return GenerationRequest(messages=messages, max_new_tokens=6, ignore_eos=True)
-
-
-@pytest.mark.parametrize("level", [Level.DENSE, Level.BALANCED])
-def test_fast_path_reuses_a_prefix_of_an_earlier_request_not_only_the_last(level: Level) -> None:
-    """Shared-system requests interleaved with others: the third reuses the first's system
-    prompt (the decoder's buffers hold the second), with the answer of a run without reuse."""
-    cached = engine_with_plans(PrefixCache())
-    cached.enable_fast_path()
-    plain = engine_with_plans(None)
-    plain.enable_fast_path()
-    cached.generate(ask("first question?"), level).result()
-    cached.generate(other("something else entirely, no system prompt"), level).result()
-    third = cached.generate(ask("third question?"), level).result()
-    reference = plain.generate(ask("third question?"), level).result()
-    assert third.cached_tokens > len(SYSTEM) // 2
-    assert third.token_ids == reference.token_ids
-    assert cached.fast is not None and cached.fast.snapshots is not None
-    assert len(cached.fast.snapshots) == 2  # the first two sequences
-    assert plain.fast is not None and plain.fast.snapshots is None
-
-
 def test_prefix_from_another_level_is_never_reused() -> None:
     engine = engine_with_plans(PrefixCache())
     engine.generate(ask("first?"), Level.BALANCED).result()

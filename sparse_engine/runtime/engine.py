@@ -16,7 +16,6 @@ from transformers import DynamicCache
 
 from sparse_engine.model.arch import UnsupportedModelError
 from sparse_engine.model.loader import LoadedModel
-from sparse_engine.runtime.fast_prefixes import PrefixSnapshots
 from sparse_engine.runtime.fastpath import FastDecoder
 from sparse_engine.runtime.generation import Generation, GenerationRequest, GenerationStats, Message
 from sparse_engine.runtime.prefix_cache import CacheKey, PrefixCache, SparseCacheMismatchError
@@ -64,7 +63,6 @@ class Engine:
         a sequence within `max_len`. Other requests take the Hugging Face path."""
         try:
             self.fast = FastDecoder(self.lm, max_len, dtype, native)
-            self.fast.snapshots = PrefixSnapshots() if self.prefix_cache is not None else None
         except UnsupportedModelError as exc:
             log.info("fast decode path off for %s: %s", self.lm.model_id, exc)
 

@@ -17,7 +17,6 @@ from torch.nn import functional as F
 
 from sparse_engine.model.arch import UnsupportedModelError
 from sparse_engine.model.loader import LoadedModel
-from sparse_engine.runtime.fast_prefixes import PrefixSnapshots
 from sparse_engine.runtime.fast_weights import DTYPES, Matrix, extract_layer, matrices
 from sparse_engine.runtime.kernels import torch_rows_matvec
 from sparse_engine.sparsity import signals
@@ -73,7 +72,6 @@ class FastDecoder:
         self._limits: tuple[SparsityPlan, torch.Tensor] | None = None
         self.tokens: list[int] = []  # the sequence in the KV cache
         self._cached_plan: SparsityPlan | None = None  # the plan it was computed under
-        self.snapshots: PrefixSnapshots | None = None  # earlier sequences, when prefixes reuse
         self.length = 0
         self.weights_read = 0.0  # projection weights read by decode steps
         self.weights_total = 0.0  # and those dense steps would read
@@ -107,21 +105,12 @@ class FastDecoder:
 
     def reuse(self, ids: list[int], plan: SparsityPlan) -> int:
         """Keep the cached prefix `ids` shares with the last sequence (under the same plan
-        object), or with an earlier one in `snapshots` where that is longer, and return its
-        length; at least the last token is left to prefill."""
+        object) and return its length; at least the last token is left to prefill."""
         common = 0
         if plan is self._cached_plan:
             limit = min(len(ids) - 1, len(self.tokens))
             while common < limit and ids[common] == self.tokens[common]:
                 common += 1
-        if self.snapshots is not None:
-            if self._cached_plan is not None:
-                self.snapshots.keep(self._cached_plan, self.tokens, self.keys, self.values)
-            snap, n = self.snapshots.best(ids[:-1], plan)
-            if snap is not None and n > common:
-                self.keys[:, :, :n].copy_(snap.keys[:, :, :n])
-                self.values[:, :, :n].copy_(snap.values[:, :, :n])
-                self.tokens, common = list(snap.tokens[:n]), n
         self.length = common
         del self.tokens[common:]
         self._cached_plan = plan
