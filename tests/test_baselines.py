@@ -245,4 +245,5 @@ def test_the_rule_score_flags_within_the_budget_of_the_baselines_late_silence() 
     healthy = healthy_level()  # late-band silence uniform on [0.80, 0.90], 200 requests
     floor = judge.flag_below(None, healthy, "balanced")
     assert 1 - 0.90 < floor < 1 - 0.89  # only the top ~5 % of healthy silence is flagged
-    assert judge.flag_below(None, None, "balanced") == TrustSettings().min_score  # no baseline: fallback
+    no_baseline = judge.flag_below(None, None, "balanced")
+    assert no_baseline == TrustSettings().min_score  # no baseline: the fallback
