@@ -8,15 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
-from prometheus_client import CollectorRegistry
 
 from alerts.rules import DEFAULT_RULES, load_rules
-from services.aggregator.alert_loop import AlertLoop
-from services.aggregator.loop import Aggregator
-from services.aggregator.metrics import AggregatorMetrics
 from services.gateway.app import create_app
 from services.shared.serving import serve
-from services.storage.db import make_engine, session_factory
 from services.telemetry.broker import Broker
 from tests.aggregator_fixtures import running
 from tests.polling import wait_until
@@ -25,6 +20,7 @@ from tests.tiny import tiny_engine
 from tests.traffic_fixtures import (
     LEVELS,
     TRAFFIC_ROUNDS,
+    alerting_aggregator,
     register_healthy_calibrations,
     send_traffic,
     traffic_settings,
@@ -37,10 +33,7 @@ REQUESTS_PER_LEVEL = len(TRAFFIC_ROUNDS)  # over every window rule's min_request
 def test_healthy_traffic_leaves_the_status_page_green(kafka_broker: Broker, tmp_path: Path) -> None:
     settings = traffic_settings(tmp_path, kafka_broker)
     settings.alerts.rules_file = DEFAULT_RULES
-    sessions = session_factory(make_engine(settings.database_url))
-    registry = CollectorRegistry()
-    alerting = AlertLoop(settings.alerts, sessions, registry)
-    aggregator = Aggregator(settings, sessions, AggregatorMetrics(registry), alerting=alerting)
+    aggregator = alerting_aggregator(settings)
     engine = tiny_engine()
     register_healthy_calibrations(settings, engine)
     with running(aggregator), serve(create_app(settings, engine=engine)) as url:

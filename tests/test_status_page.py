@@ -13,17 +13,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client import CollectorRegistry
 
-from services.aggregator.alert_loop import AlertLoop
-from services.aggregator.loop import Aggregator
-from services.aggregator.metrics import AggregatorMetrics
 from services.config import SignalSettings, StorageSettings
 from services.gateway.app import create_app
 from services.gateway.auth import hash_key
 from services.gateway.routes.status import NO_SNAPSHOTS
 from services.shared.serving import serve
-from services.storage.db import make_engine, session_factory
 from services.telemetry.broker import Broker
 from tests.aggregator_fixtures import running
 from tests.gateway_fixtures import RecordingSink, running_gateway, settings_for
@@ -41,6 +36,7 @@ from tests.tiny import tiny_engine
 from tests.traffic_fixtures import (
     LEVELS,
     TARGETS,
+    alerting_aggregator,
     register_calibrations,
     send_traffic,
     traffic_settings,
@@ -147,12 +143,9 @@ def _submit_key(tab: Tab, key: str) -> None:
 @needs_chromium
 def test_page_renders_real_traffic_in_chromium(kafka_broker: Broker, tmp_path: Path) -> None:
     settings = traffic_settings(tmp_path, kafka_broker)
-    sessions = session_factory(make_engine(settings.database_url))
-    registry = CollectorRegistry()
-    alerting = AlertLoop(settings.alerts, sessions, registry)
-    aggregator = Aggregator(settings, sessions, AggregatorMetrics(registry), alerting=alerting)
+    aggregator = alerting_aggregator(settings)
     engine = tiny_engine()
-    register_calibrations(sessions, engine)
+    register_calibrations(aggregator.sessions, engine)
     with running(aggregator), serve(create_app(settings, engine=engine)) as url:
         with httpx.Client(base_url=url, timeout=30) as client:
             flagged = send_traffic(client, range(REQUESTS_PER_LEVEL))

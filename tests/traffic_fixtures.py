@@ -8,8 +8,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
+from prometheus_client import CollectorRegistry
 from sqlalchemy.orm import Session, sessionmaker
 
+from services.aggregator.alert_loop import AlertLoop
+from services.aggregator.loop import Aggregator
+from services.aggregator.metrics import AggregatorMetrics
 from services.config import AlertSettings, EngineSettings, Settings, WebhookReceiver
 from services.storage.db import make_engine, session_factory
 from services.storage.repository import calibration_row, upsert_calibration
@@ -70,6 +74,14 @@ def traffic_settings(
             "engine": EngineSettings(drift_sample_rate=1.0),
         }
     )
+
+
+def alerting_aggregator(settings: Settings) -> Aggregator:
+    """An aggregator on the settings' database whose alert loop evaluates its rules."""
+    sessions = session_factory(make_engine(settings.database_url))
+    registry = CollectorRegistry()
+    alerting = AlertLoop(settings.alerts, sessions, registry)
+    return Aggregator(settings, sessions, AggregatorMetrics(registry), alerting=alerting)
 
 
 def register_calibrations(sessions: sessionmaker[Session], engine: Engine) -> None:
