@@ -45,14 +45,20 @@ from tests.test_alerting_pipeline import (
 )
 from tests.tiny import calibration_of, tiny_engine
 
+# The baseline and the live healthy traffic draw different numbers from one distribution (the
+# same range, interleaved). The digits are tokens: with 1000-1119 against 0-39 (or 0-239
+# against 0-79) the tiny model's per-layer sparsity differed by 6-11 standard errors and
+# LayerSparsityShift fired, as it should on traffic unlike the baseline's.
+BASELINE = [i for i in range(240) if i % 4 in (0, 1)]
+LIVE = [i for i in range(240) if i % 12 in (2, 3)]
+FAULTY = list(range(240, 320))
 TOPICS = ("sparsity", "caching", "kernels", "drift", "alerts", "windows", "gates", "batches")
 
 
-def prompts(start: int, count: int) -> list[Prompt]:
-    """Two kinds of short questions, numbered from `start` (the baseline and the live traffic
-    draw different numbers from the same distribution)."""
+def prompts(numbers: list[int]) -> list[Prompt]:
+    """Two kinds of short questions with these numbers."""
     found = []
-    for i in range(start, start + count):
+    for i in numbers:
         topic = TOPICS[i % len(TOPICS)]
         if i % 2:
             found.append(Prompt("chat", f"Question {i}: what is {topic}?"))
@@ -63,7 +69,7 @@ def prompts(start: int, count: int) -> list[Prompt]:
 
 def calibrate_with_baselines(engine: Engine, settings: Any, sessions: Any) -> None:
     """Store and register the tiny balanced plan as a calibration with its healthy baseline."""
-    healthy = prompts(1000, 120)
+    healthy = prompts(BASELINE)
     dense = run_prompts(engine, Level.DENSE, healthy, 8)
     answers = run_prompts(engine, Level.BALANCED, healthy, 8)
     cal = calibration_of(engine, "tiny-balanced")
@@ -107,7 +113,12 @@ def test_healthy_traffic_raises_nothing_and_a_fault_fires_its_alert(
         update={"alerts": alerts, "engine": EngineSettings(drift_sample_rate=1.0)}
     )
     sessions = session_factory(make_engine(settings.database_url))
-    engine = tiny_engine()
+    # Without the prefix cache: the signals count the prefill's tokens, so a request that
+    # reuses a cached prefix reads differently (here the baseline pass's sparse requests never
+    # reused, their longest prefixes being dense entries, while the live ones did, and layer
+    # 1's sparsity moved 1.2 sd: LayerSparsityShift fired on healthy traffic). README, "The
+    # alert study".
+    engine = tiny_engine(cache=False)
     calibrate_with_baselines(engine, settings, sessions)
     registry = CollectorRegistry()
     alerting = AlertLoop(alerts, sessions, registry)
@@ -117,19 +128,19 @@ def test_healthy_traffic_raises_nothing_and_a_fault_fires_its_alert(
         serve(create_app(settings, engine=engine)) as gateway,
         httpx.Client(base_url=gateway, timeout=30) as client,
     ):
-        send(client, prompts(0, 40))
+        send(client, prompts(LIVE))
         wait_until(lambda: aggregator.folded == 40)
         for _ in range(3):  # longer than every (shortened) `for`
             aggregator.evaluate_alerts()
             time.sleep(1.5)
         with sessions() as session:
-            assert session.scalars(select(AlertRecord)).all() == []
+            assert [(a.name, a.labels, a.value) for a in session.scalars(select(AlertRecord))] == []
             assert session.scalars(select(JobRun)).all() == []
 
         served = engine.plan(Level.BALANCED)
         broken = replace(scale(served, 6.0), calibration_version=served.calibration_version)
         engine.install(broken)
-        send(client, prompts(40, 80))
+        send(client, prompts(FAULTY))
         wait_until(lambda: aggregator.folded == 120)
         for _ in range(3):
             aggregator.evaluate_alerts()
