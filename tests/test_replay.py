@@ -6,13 +6,15 @@ caught by their rule within minutes and resolve after."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
 from alerts.rules import DEFAULT_RULES, load_rules
 from services.config import Settings
 from services.gateway.trust import Trust
-from services.replay.measure import Measured
+from services.replay.measure import FAULTS as FAULT_NAMES
+from services.replay.measure import Measured, fault_prompts, healthy_prompts
 from services.replay.replay import Calibrations, Scenario, events, replay
 from services.replay.scoring import Rate, fault_result, firings, rule_scores
 from sparse_engine.calibration.baseline import summarise
@@ -118,3 +120,16 @@ def test_drift_is_sampled_per_replayed_request_not_per_measured_one() -> None:
     assert len(set(kept)) >= 15  # nearly every request of the pool, not a fixed tenth of it
     everything = events(Scenario("healthy", 600), {"balanced": measured}, [], 30, "m")
     assert all(e.semantic_drift_kl is not None for e in everything)
+
+
+@pytest.mark.slow
+def test_fault_prompts_past_an_offset_are_disjoint_from_the_healthy_pool(home: Path) -> None:
+    """At offset 0 the model faults answer the healthy pool's own prompts; past it, none."""
+    settings = Settings(home=home)
+    healthy = {p.text for p in healthy_prompts(settings, 60)}
+    assert {p.text for p in fault_prompts(settings, "damaged", 40)} <= healthy
+    for fault in FAULT_NAMES:
+        first = fault_prompts(settings, fault, 40)
+        later = fault_prompts(settings, fault, 40, offset=60)
+        assert len(later) == 40
+        assert not {p.text for p in later} & ({p.text for p in first} | healthy)

@@ -39,6 +39,13 @@ def register(commands: Any) -> None:
     cmd.add_argument("--healthy", type=int, default=100, help="measured requests per level")
     cmd.add_argument("--faulty", type=int, default=60, help="measured requests per fault")
     cmd.add_argument("--fault-level", default=Level.BALANCED.value)
+    cmd.add_argument(
+        "--fault-offset",
+        type=int,
+        default=0,
+        help="draw the fault prompts from this far into each source (>= --healthy: disjoint "
+        "from the healthy requests)",
+    )
     cmd.add_argument("--rate", type=float, default=30.0, help="requests per minute per level")
     cmd.add_argument("--healthy-hours", type=float, default=2.0)
     cmd.add_argument("--faults", default=",".join(FAULTS), help="comma-separated fault names")
@@ -53,6 +60,8 @@ def run_eval_alerts(args: argparse.Namespace, settings: Settings) -> int:
     if unknown:
         raise ValueError(f"unknown faults {unknown}; choose from {', '.join(FAULTS)}")
     fault_level = Level.parse(args.fault_level)
+    if args.fault_offset < 0:
+        raise ValueError(f"--fault-offset must be 0 or more, got {args.fault_offset}")
     if fault_level is Level.DENSE:
         raise ValueError("inject faults at a sparse level (the dense level has no gate)")
     lm = load_served_model(settings)
@@ -88,6 +97,7 @@ def run_eval_alerts(args: argparse.Namespace, settings: Settings) -> int:
     figures["measured"] = {
         "healthy_per_level": args.healthy,
         "faulty_per_fault": args.faulty,
+        "fault_offset": args.fault_offset,
         "calibrations": {c.level: c.version for c in cals.values()},
         "max_new_tokens": settings.engine.baseline_max_new_tokens,
     }
@@ -126,7 +136,8 @@ def _pools(
                 kept["healthy"][level.value] = _light(measurer.healthy(level, args.healthy))
         for fault in faults:
             if fault not in kept["faults"]:
-                kept["faults"][fault] = _light(measurer.fault(fault, fault_level, args.faulty))
+                measured = measurer.fault(fault, fault_level, args.faulty, args.fault_offset)
+                kept["faults"][fault] = _light(measured)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_bytes(pickle.dumps(kept))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -144,7 +155,8 @@ def _pool_path(
     return (
         settings.home
         / "eval"
-        / f"alerts-v{POOL_FORMAT}-{name}-{args.healthy}x{args.faulty}-{level.value}-{tokens}.pkl"
+        / f"alerts-v{POOL_FORMAT}-{name}-{args.healthy}x{args.faulty}+{args.fault_offset}"
+        f"-{level.value}-{tokens}.pkl"
     )
 
 

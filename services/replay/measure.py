@@ -72,17 +72,22 @@ def healthy_prompts(settings: Settings, count: int) -> list[traffic.Prompt]:
     return [traffic.with_system([p])[0] if i % 2 == 0 else p for i, p in enumerate(prompts)]
 
 
-def fault_prompts(settings: Settings, fault: str, count: int) -> list[traffic.Prompt]:
+def fault_prompts(
+    settings: Settings, fault: str, count: int, offset: int = 0
+) -> list[traffic.Prompt]:
+    """The fault's prompts; `offset` draws them from later in each source (disjoint from the
+    healthy pool's first `offset` prompts, and from another fault set's)."""
     home = settings.cache_home
     if fault == "garbage":
-        return traffic.garbage(count)
+        return traffic.garbage(count, seed=offset)
     if fault == "templated":
-        return traffic.templated(home, count)
+        return traffic.templated(home, count, index=offset)
     if fault == "multilingual":
-        return traffic.language_shift(home, count)
+        return traffic.language_shift(home, count, offset)
+    later = healthy_prompts(settings, offset + count)[offset:]
     if fault == "prefix-defeating":
-        return traffic.prefix_defeating(healthy_prompts(settings, count))
-    return healthy_prompts(settings, count)  # model faults: healthy traffic, broken engine
+        return traffic.prefix_defeating(later, seed=offset)
+    return later  # model faults: healthy traffic, broken engine
 
 
 class Measurer:
@@ -104,8 +109,8 @@ class Measurer:
     def healthy(self, level: Level, count: int) -> list[Measured]:
         return self._answer(self.engine(), "healthy", level, healthy_prompts(self.settings, count))
 
-    def fault(self, fault: str, level: Level, count: int) -> list[Measured]:
-        prompts = fault_prompts(self.settings, fault, count)
+    def fault(self, fault: str, level: Level, count: int, offset: int = 0) -> list[Measured]:
+        prompts = fault_prompts(self.settings, fault, count, offset)
         if fault == "damaged":
             with zeroed_mlp(self.lm, len(self.lm.layers) // 2):
                 return self._answer(self.engine(), fault, level, prompts)

@@ -74,16 +74,18 @@ def garbage(count: int, seed: int = 0) -> list[Prompt]:
     return found
 
 
-def templated(home: Path, count: int) -> list[Prompt]:
-    """One chat prompt, repeated: a client replaying a template."""
-    (prompt,) = healthy("chat", home, "evaluation", 1)
+def templated(home: Path, count: int, index: int = 0) -> list[Prompt]:
+    """One chat prompt (the `index`th of the evaluation half), repeated: a client replaying a
+    template."""
+    prompt = healthy("chat", home, "evaluation", index + 1)[index]
     return [Prompt("templated", prompt.text)] * count
 
 
-def language_shift(home: Path, count: int) -> list[Prompt]:
-    """Paragraphs of the multilingual corpus, as they are."""
+def language_shift(home: Path, count: int, offset: int = 0) -> list[Prompt]:
+    """Paragraphs of the multilingual corpus, as they are, from the `offset`th on."""
     texts = [t[:MAX_PROMPT_CHARS] for t in shuffled(load_texts("multilingual", home))]
-    return [Prompt("multilingual", text) for text in texts if len(text) >= MIN_PROMPT_CHARS][:count]
+    found = [Prompt("multilingual", text) for text in texts if len(text) >= MIN_PROMPT_CHARS]
+    return found[offset : offset + count]
 
 
 def with_system(prompts: list[Prompt], system: str = SHARED_SYSTEM) -> list[Prompt]:
