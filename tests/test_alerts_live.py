@@ -113,12 +113,9 @@ def test_healthy_traffic_raises_nothing_and_a_fault_fires_its_alert(
         update={"alerts": alerts, "engine": EngineSettings(drift_sample_rate=1.0)}
     )
     sessions = session_factory(make_engine(settings.database_url))
-    # Without the prefix cache: the signals count the prefill's tokens, so a request that
-    # reuses a cached prefix reads differently (here the baseline pass's sparse requests never
-    # reused, their longest prefixes being dense entries, while the live ones did, and layer
-    # 1's sparsity moved 1.2 sd: LayerSparsityShift fired on healthy traffic). README, "The
-    # alert study".
-    engine = tiny_engine(cache=False)
+    # With the prefix cache: a reused prefix reports the signals of an uncached prefill, so
+    # the live requests (which reuse) read as the baseline pass's did.
+    engine = tiny_engine()
     calibrate_with_baselines(engine, settings, sessions)
     registry = CollectorRegistry()
     alerting = AlertLoop(alerts, sessions, registry)

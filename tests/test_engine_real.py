@@ -9,9 +9,11 @@ import pytest
 
 from services.cli import main
 from sparse_engine.calibration.store import CalibrationStore
+from sparse_engine.data.traffic import SHARED_SYSTEM
 from sparse_engine.model.loader import LoadedModel
 from sparse_engine.runtime import kernels
 from sparse_engine.runtime.engine import Engine, GenerationRequest, Message
+from sparse_engine.runtime.prefix_cache import PrefixCache
 from sparse_engine.sparsity.plan import Level
 
 pytestmark = pytest.mark.slow
@@ -60,7 +62,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def fast_engine(smollm: LoadedModel, calibrated_store: CalibrationStore) -> Engine:
-    engine = Engine(smollm, calibrated_store.latest_plans(smollm.weights_sha256))
+    engine = Engine(smollm, calibrated_store.latest_plans(smollm.weights_sha256), PrefixCache())
     native = kernels.load()
     assert native is not None, "the compiled kernels did not build: see the warning logged"
     engine.enable_fast_path("float32", native)
@@ -96,13 +98,30 @@ def test_fast_path_decodes_the_reference_tokens(
 
 
 def test_fast_path_reuses_the_cached_prefix(fast_engine: Engine) -> None:
-    first = [{"role": "user", "content": PROMPTS[0]}]
-    request = GenerationRequest(messages=first, max_new_tokens=4)
-    cold = fast_engine.generate(request, Level.BALANCED).result()
-    warm = fast_engine.generate(request, Level.BALANCED).result()
-    assert warm.cached_tokens == warm.prompt_tokens - 1 and warm.token_ids == cold.token_ids
-    other = GenerationRequest(messages=first, max_new_tokens=4, use_prefix_cache=False)
-    assert fast_engine.generate(other, Level.BALANCED).result().cached_tokens == 0
+    """A shared system prompt is reused after another request went between, with the tokens and
+    signals of the uncached prefill."""
+
+    def ask(prompt: str, reuse: bool = True) -> GenerationRequest:
+        messages: list[Message] = [
+            {"role": "system", "content": SHARED_SYSTEM},
+            {"role": "user", "content": prompt},
+        ]
+        return GenerationRequest(messages=messages, max_new_tokens=4, use_prefix_cache=reuse)
+
+    cold = fast_engine.generate(ask(PROMPTS[1], reuse=False), Level.BALANCED).result()
+    fast_engine.generate(ask(PROMPTS[0]), Level.BALANCED).result()
+    fast_engine.generate(ask(PROMPTS[2] * 2), Level.BALANCED).result()
+    warm = fast_engine.generate(ask(PROMPTS[1]), Level.BALANCED).result()
+    assert cold.cached_tokens == 0 and warm.cached_tokens > len(SHARED_SYSTEM) // 8
+    assert warm.token_ids == cold.token_ids
+    assert warm.signals is not None and cold.signals is not None
+    assert warm.signals.sparsity_per_layer == pytest.approx(
+        cold.signals.sparsity_per_layer, abs=1e-4
+    )
+    assert warm.signals.silence_rate_per_layer == pytest.approx(
+        cold.signals.silence_rate_per_layer, abs=1e-4
+    )
+    assert warm.signals.gate_confidence == pytest.approx(cold.signals.gate_confidence, abs=1e-5)
 
 
 def test_bench_speed_reports_every_path_side_by_side(

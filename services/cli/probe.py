@@ -13,7 +13,7 @@ from services.shared.engine import build_engine
 from sparse_engine.calibration.store import CalibrationNotFoundError
 from sparse_engine.runtime.engine import GenerationRequest, GenerationStats
 from sparse_engine.sparsity.plan import Level
-from sparse_engine.trust.features import late_silence
+from sparse_engine.sparsity.signals import late_silence
 
 BUILTIN_SAMPLE = "Explain in two sentences why the sky looks blue during the day and red at sunset."
 # A probe task names the domain of the input; the engine prefers a calibration made on it.

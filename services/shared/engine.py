@@ -6,6 +6,7 @@ compiled kernels when they build."""
 from __future__ import annotations
 
 import torch
+from transformers import DynamicCache
 
 from services.config import Settings
 from sparse_engine.calibration.store import CalibrationStore
@@ -34,7 +35,9 @@ def build_engine(
     """The calibrated engine for `model` (default: the served model). `fast=False` keeps it on
     the Hugging Face reference path (the reference rows of the benchmarks)."""
     lm = model if isinstance(model, LoadedModel) else load_served_model(settings, model)
-    cache = PrefixCache() if prefix_cache and settings.engine.prefix_cache_entries else None
+    cache: PrefixCache[DynamicCache] | None = (
+        PrefixCache() if prefix_cache and settings.engine.prefix_cache_entries else None
+    )
     plans = CalibrationStore(settings.calibrations_dir).latest_plans(lm.weights_sha256)
     engine = Engine(lm, plans, cache)
     if fast and settings.engine.fast_path != "off":

@@ -21,6 +21,7 @@ from sparse_engine.data.traffic import Prompt
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.runtime.generation import GenerationRequest, GenerationStats
 from sparse_engine.sparsity.plan import Level
+from sparse_engine.sparsity.signals import LATE_BAND, late_silence
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,6 @@ SIGNALS = (
     "decode_tokens_per_s",
 )
 QUANTILES = 100  # the stored quantiles: 0, 1/100, ..., 1
-LATE_BAND = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,13 +134,12 @@ def request_values(stats: GenerationStats, late_band: int = LATE_BAND) -> dict[s
     found: dict[str, float] = {"decode_tokens_per_s": stats.decode_tokens_per_s}
     s = stats.signals
     if s is not None:
-        band = s.silence_rate_per_layer[-late_band:]
         found.update(
             sparsity_ratio=s.sparsity_ratio,
             gate_confidence=s.gate_confidence,
             gate_entropy=s.gate_entropy,
             activation_stability_pct=s.activation_stability_pct,
-            late_silence=sum(band) / len(band) if band else 0.0,
+            late_silence=late_silence(s.silence_rate_per_layer, late_band),
         )
     if stats.semantic_drift_kl is not None:
         found["semantic_drift_kl"] = stats.semantic_drift_kl

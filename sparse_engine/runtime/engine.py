@@ -3,7 +3,6 @@ with a stats object holding every per-request signal."""
 
 from __future__ import annotations
 
-import copy
 import inspect
 import logging
 import time
@@ -18,7 +17,8 @@ from sparse_engine.model.arch import UnsupportedModelError
 from sparse_engine.model.loader import LoadedModel
 from sparse_engine.runtime.fastpath import FastDecoder
 from sparse_engine.runtime.generation import Generation, GenerationRequest, GenerationStats, Message
-from sparse_engine.runtime.prefix_cache import CacheKey, PrefixCache, SparseCacheMismatchError
+from sparse_engine.runtime.prefill import FastKV, FastKVState, Prefill, Prefilled, ReferenceKV
+from sparse_engine.runtime.prefix_cache import CacheKey, PrefixCache
 from sparse_engine.runtime.sampling import TokenConfidence, eos_ids, sample_next
 from sparse_engine.runtime.textstream import TextStream
 from sparse_engine.sparsity import signals
@@ -44,7 +44,7 @@ class Engine:
         self,
         lm: LoadedModel,
         plans: dict[Level, SparsityPlan],
-        prefix_cache: PrefixCache | None = None,
+        prefix_cache: PrefixCache[DynamicCache] | None = None,
         mask: ChannelMask | None = None,
     ) -> None:
         self.lm = lm
@@ -54,6 +54,8 @@ class Engine:
         self.set_mask(mask)
         self._keeps_logits = "logits_to_keep" in inspect.signature(lm.model.forward).parameters
         self.fast: FastDecoder | None = None
+        # The fast path's own prefixes (its KV is laid out apart from the Hugging Face cache).
+        self.fast_prefixes: PrefixCache[FastKVState] | None = None
 
     def enable_fast_path(
         self, dtype: str = "float32", native: Any = None, max_len: int = 2048
@@ -63,6 +65,9 @@ class Engine:
         a sequence within `max_len`. Other requests take the Hugging Face path."""
         try:
             self.fast = FastDecoder(self.lm, max_len, dtype, native)
+            cache = self.prefix_cache
+            if cache is not None:
+                self.fast_prefixes = PrefixCache(cache.max_tokens, cache.min_reuse)
         except UnsupportedModelError as exc:
             log.info("fast decode path off for %s: %s", self.lm.model_id, exc)
 
@@ -181,24 +186,17 @@ class Engine:
             masked(self.lm.layers, self.mask),
             sparsified(self.lm.layers, plan, recorder) if fast is None else nullcontext(),
         ):
-            if fast is None:
-                cache, cached, mismatch = self._cache_for(request, plan, prompt_ids)
-            else:
-                reusable = prompt_ids if request.use_prefix_cache else []
-                cached, mismatch = fast.reuse(reusable, plan), False
-            next_input = torch.tensor([prompt_ids[cached:]])
+            path, done = self._prefill(fast, request, plan, prompt_ids, recorder)
+            cached, mismatch = done.cached, done.mismatch
             token = -1
             for step in range(request.max_new_tokens):
-                if fast is None:
-                    logits = self._forward(next_input, cache, recorder)
-                elif step == 0:
-                    logits = fast.prefill(prompt_ids[cached:], plan, recorder)
-                else:
-                    logits = fast.step(token, plan, recorder)
                 if step == 0:
+                    logits = done.logits
                     first_token_at = time.perf_counter()
-                    if fast is None:
-                        self._remember(request, plan, prompt_ids, cache)
+                elif isinstance(path, ReferenceKV):
+                    logits = self._forward(torch.tensor([[token]]), path.cache, recorder)
+                else:
+                    logits = path.fast.step(token, plan, recorder)
                 if request.measure_drift and not plan.is_dense:
                     kept_logits.append(logits.float())
                 token = sample_next(logits, request.temperature, request.top_p, generator)
@@ -214,7 +212,6 @@ class Engine:
                 if stopped or out.cancelled.is_set():
                     finish = "stop" if stopped else "cancelled"
                     break
-                next_input = torch.tensor([[token]])
         tail = decoder.flush()
         if tail:
             yield tail
@@ -252,25 +249,38 @@ class Engine:
             return None
         return fast
 
-    def _cache_for(
-        self, request: GenerationRequest, plan: SparsityPlan, prompt_ids: list[int]
-    ) -> tuple[DynamicCache, int, bool]:
-        """A KV cache for the prompt: a reused prefix when one was built under the same plan,
-        otherwise empty. Returns (cache, reused tokens, whether a mismatch was refused)."""
-        fresh = DynamicCache(config=self.lm.model.config)
-        if self.prefix_cache is None or not request.use_prefix_cache:
-            return fresh, 0, False
-        try:
-            cache, cached = self.prefix_cache.lookup(self._cache_key(plan), prompt_ids)
-        except SparseCacheMismatchError:
-            return fresh, 0, True
-        return (cache, cached, False) if cache is not None else (fresh, 0, False)
+    def _prefill(
+        self,
+        fast: FastDecoder | None,
+        request: GenerationRequest,
+        plan: SparsityPlan,
+        prompt_ids: list[int],
+        recorder: SignalRecorder | None,
+    ) -> tuple[FastKV | ReferenceKV, Prefilled]:
+        """The prompt through the decode path, reusing a cached prefix where one applies."""
+        key, reuse = self._cache_key(plan), request.use_prefix_cache
+        path: FastKV | ReferenceKV
+        if fast is None:
+            path = ReferenceKV(self, recorder)
+            run = Prefill(path, self.prefix_cache if reuse else None, key, recorder).run
+        else:
+            path = FastKV(fast, plan, recorder)
+            run = Prefill(path, self.fast_prefixes if reuse else None, key, recorder).run
+        ends = self._prefix_ends(request, prompt_ids) if reuse else []
+        with recorder.one_step() if recorder is not None else nullcontext():
+            return path, run(prompt_ids, [*ends, len(prompt_ids)])
 
-    def _remember(
-        self, request: GenerationRequest, plan: SparsityPlan, prompt_ids: list[int], cache: Any
-    ) -> None:
-        if self.prefix_cache is not None and request.use_prefix_cache:
-            self.prefix_cache.store(self._cache_key(plan), prompt_ids, copy.deepcopy(cache))
+    def _prefix_ends(self, request: GenerationRequest, prompt_ids: list[int]) -> list[int]:
+        """Where a prefix later requests may share ends: the prompt without its last message
+        (a system prompt, earlier turns), when its tokens begin the prompt's."""
+        if request.messages is None or len(request.messages) < 2:
+            return []
+        text = self.lm.tokenizer.apply_chat_template(
+            request.messages[:-1], tokenize=False, add_generation_prompt=False
+        )
+        head = self.encode_text(text)
+        shared = 0 < len(head) < len(prompt_ids) and prompt_ids[: len(head)] == head
+        return [len(head)] if shared else []
 
     def _cache_key(self, plan: SparsityPlan) -> CacheKey:
         # KV values depend on the mask too, so a masked engine keys its entries apart.

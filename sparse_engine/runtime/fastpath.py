@@ -71,7 +71,6 @@ class FastDecoder:
         self.dense_weights = float(sum(m.rows.numel() for m in matrices(self.layers[0])))
         self._limits: tuple[SparsityPlan, torch.Tensor] | None = None
         self.tokens: list[int] = []  # the sequence in the KV cache
-        self._cached_plan: SparsityPlan | None = None  # the plan it was computed under
         self.length = 0
         self.weights_read = 0.0  # projection weights read by decode steps
         self.weights_total = 0.0  # and those dense steps would read
@@ -102,19 +101,6 @@ class FastDecoder:
         return (
             not set(plan.thresholds) - set(ROLES) and plan.topk is None and tokens <= self.max_len
         )
-
-    def reuse(self, ids: list[int], plan: SparsityPlan) -> int:
-        """Keep the cached prefix `ids` shares with the last sequence (under the same plan
-        object) and return its length; at least the last token is left to prefill."""
-        common = 0
-        if plan is self._cached_plan:
-            limit = min(len(ids) - 1, len(self.tokens))
-            while common < limit and ids[common] == self.tokens[common]:
-                common += 1
-        self.length = common
-        del self.tokens[common:]
-        self._cached_plan = plan
-        return common
 
     def prefill(
         self, ids: list[int], plan: SparsityPlan, recorder: SignalRecorder | None = None

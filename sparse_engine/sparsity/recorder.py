@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -27,9 +28,20 @@ class SignalSummary:
     answer_channels: list[torch.Tensor] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixSignals:
+    """What a recorder summed over a prompt prefix, kept with the prefix's KV so that a request
+    reusing the KV gets the signals an uncached prefill would have given it."""
+
+    counts: torch.Tensor  # (layers, 4): zeroed, total, kept-share sum, kept-share tokens
+    channels: tuple[torch.Tensor | None, ...]  # per layer, |down-projection input| summed
+    tokens: int
+
+
 class SignalRecorder:
     """Per-layer running sums, one step per forward call. Call `begin_step` before and
-    `end_step` after each forward; the first step of a request is its prefill."""
+    `end_step` after each forward; the first step of a request is its prefill (several forward
+    calls inside `one_step` count as one)."""
 
     def __init__(self, num_layers: int, silence_thresholds: Sequence[float] | None = None) -> None:
         self.num_layers = num_layers
@@ -53,6 +65,7 @@ class SignalRecorder:
         self.steps = 0
         self._step_start = (0.0, 0.0)
         self._blocks: list[torch.Tensor | None] = [None, None]  # see observe_layers
+        self._held = False
 
     def track_positions(self, num_positions: int) -> None:
         """Also count zeros per position, for one forward pass over a whole sequence."""
@@ -64,10 +77,24 @@ class SignalRecorder:
             return []
         return list((self.token_zeros / self.token_width).tolist())
 
+    @contextmanager
+    def one_step(self) -> Iterator[None]:
+        """Forward calls (and `credit`) inside count as a single step: a prefill in parts."""
+        self.begin_step()
+        self._held = True
+        try:
+            yield
+        finally:
+            self._held = False
+            self.end_step()
+
     def begin_step(self) -> None:
-        self._step_start = (float(self.zeros.sum()), float(self.numel.sum()))
+        if not self._held:
+            self._step_start = (float(self.zeros.sum()), float(self.numel.sum()))
 
     def end_step(self) -> None:
+        if self._held:
+            return
         self.steps += 1
         zeros = float(self.zeros.sum()) - self._step_start[0]
         numel = float(self.numel.sum()) - self._step_start[1]
@@ -118,6 +145,29 @@ class SignalRecorder:
             self._blocks[1] = _add_rows(self.answer_magnitude, channels, self._blocks[1])
             self.answer_tokens += positions
         self.silence_tokens += positions
+
+    def prefix(self) -> PrefixSignals:
+        """The sums so far, which must all be prompt positions (call before the first decode)."""
+        if self.steps or self.answer_start is not None or self.token_zeros is not None:
+            raise ValueError("a prefix's signals are taken during the prefill")
+        counts = torch.stack([self.zeros, self.numel, self.kept_share_sum, self.kept_share_tokens])
+        channels = tuple(None if m is None else m.clone() for m in self.magnitude)
+        return PrefixSignals(counts.T.clone(), channels, self.silence_tokens)
+
+    def credit(self, prefix: PrefixSignals) -> None:
+        """Add a cached prefix's sums, as if its positions had been run through the hooks."""
+        if self.steps or self._blocks[0] is not None:
+            raise ValueError("credit a cached prefix before anything else is recorded")
+        for total, column in zip(
+            (self.zeros, self.numel, self.kept_share_sum, self.kept_share_tokens),
+            prefix.counts.T,
+            strict=True,
+        ):
+            total += column
+        for i, row in enumerate(prefix.channels):
+            if row is not None:
+                self.magnitude[i] = _add(self.magnitude[i], row.clone())
+        self.silence_tokens += prefix.tokens
 
     def summary(self) -> SignalSummary:
         per_layer = [

@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Sequence
 
 import torch
+
+# The default of the last layers whose mean silence is the spike signal; the services pass
+# their setting (settings.signals.late_band) wherever a band is read.
+LATE_BAND = 3
+
+
+def late_silence(silence_per_layer: Sequence[float], late_band: int = LATE_BAND) -> float:
+    """Mean silence of the last `late_band` layers (all of them when there are fewer)."""
+    band = silence_per_layer[-late_band:]
+    return sum(band) / len(band) if band else 0.0
 
 
 def zeroed_fraction(zeros: float, total: float) -> float:

@@ -14,10 +14,8 @@ from typing import Any
 import torch
 
 from sparse_engine.runtime.generation import GenerationStats
+from sparse_engine.sparsity.signals import LATE_BAND, late_silence
 
-# The default of the last layers whose mean silence is the spike signal; the services pass
-# their setting (settings.signals.late_band) wherever a band is read.
-LATE_BAND = 3
 PROBE_DEPTH = 2 / 3  # the channel probe reads the MLP layer two thirds of the way up
 PROBE_FLOOR = 1e-4  # log(mean |a| + floor): silent channels stay finite
 FEATURES = (
@@ -73,12 +71,6 @@ class RequestSignals:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RequestSignals:
         return cls(**data)
-
-
-def late_silence(silence_per_layer: Sequence[float], late_band: int = LATE_BAND) -> float:
-    """Mean silence of the last `late_band` layers (all of them when there are fewer)."""
-    band = silence_per_layer[-late_band:]
-    return sum(band) / len(band) if band else 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,8 +16,8 @@ import torch
 
 from sparse_engine.evaluation.ranking import auroc
 from sparse_engine.jsonstore import JsonStore, stamped_version
+from sparse_engine.sparsity.signals import LATE_BAND
 from sparse_engine.trust.features import (
-    LATE_BAND,
     RequestSignals,
     SilenceBaseline,
     feature_names,

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from sparse_engine.evaluation.ranking import auroc
+from sparse_engine.sparsity.signals import LATE_BAND
 from sparse_engine.trust.evaluate import QARecord
-from sparse_engine.trust.features import LATE_BAND, RequestSignals, SilenceBaseline, rule_score
+from sparse_engine.trust.features import RequestSignals, SilenceBaseline, rule_score
 from sparse_engine.trust.model import TrustModel
 
 Reader = Callable[[RequestSignals], float]
