@@ -26,6 +26,7 @@ WINDOW_METRICS = (
     "silence_spike_share",
     "late_silence_mean",
     "layer_sparsity_shift",
+    "signal_spread_ratio",
     "cache_hit_rate_mean",
 )
 # What a `Deviation` threshold compares a window with: the aggregator puts each one's centre,

@@ -76,6 +76,17 @@ def overview(signals: SignalSettings | None = None) -> Dashboard:
                 show_thresholds="line",
             ),
             Panel(
+                "Request spread vs healthy traffic (5m window)",
+                (Target(window("sparseguard_window_signal_spread_ratio"), PER_KEY),),
+                description="How much the requests' signals vary, as a share of healthy "
+                f"traffic's spread (an upper bound); under {signals.spread_floor:g} for 5 "
+                "minutes alerts (SignalSpreadCollapsed): one input sent over and over.",
+                min=0,
+                base_color="red",
+                steps=((signals.spread_floor, "green"),),
+                show_thresholds="line",
+            ),
+            Panel(
                 "Late-band silence vs healthy baseline (5m window)",
                 (
                     Target(window("sparseguard_window_late_silence_ratio"), PER_KEY),

@@ -41,6 +41,7 @@ def test_default_rules_cover_the_mission_alerts() -> None:
         "SemanticDriftHigh",
         "SilenceSpikes",
         "LateSilenceHigh",
+        "SignalSpreadCollapsed",
         "LayerSparsityShift",
         "PrefixCacheHitRateLow",
         "GateDegraded",

@@ -1,7 +1,7 @@
 """The alert study's machinery on made-up requests (the real-model figures come from
 `sparseguard eval alerts`): healthy traffic drawn from a baseline's own distribution raises
-nothing; a gate-confidence fault, one layer's sparsity shift and a late-silence rise are each
-caught by their rule within minutes and resolve after."""
+nothing; a gate-confidence fault, one layer's sparsity shift, a late-silence rise and one answer
+repeated are each caught by their rule within minutes and resolve after."""
 
 from __future__ import annotations
 
@@ -60,9 +60,12 @@ def request(
     return Measured("healthy", kind, "prompt", "balanced", stats, Trust(0.9))
 
 
-def pool(seed: int, n: int, gate_mean: float, **fault: float) -> list[Measured]:
+def pool(seed: int, n: int, gate_mean: float, repeat: float = 0, **fault: float) -> list[Measured]:
+    """`n` made-up answers; with `repeat`, one answer `n` times (one prompt sent over and over)."""
     rng = random.Random(seed)
     kinds = ("chat", "qa")
+    if repeat:
+        return [request(rng, "chat", gate_mean, **fault)] * n
     return [request(rng, kinds[i % 2], rng.gauss(gate_mean, 0.01), **fault) for i in range(n)]
 
 
@@ -70,6 +73,7 @@ FAULTS = [
     ("GateConfidenceOutOfBand", {"gate_mean": 0.85}),
     ("LayerSparsityShift", {"gate_mean": 0.95, "layer_shift": -0.03}),
     ("LateSilenceHigh", {"gate_mean": 0.95, "silence": 0.1}),
+    ("SignalSpreadCollapsed", {"gate_mean": 0.95, "repeat": 1}),
 ]
 
 

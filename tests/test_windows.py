@@ -120,6 +120,28 @@ def test_layer_sparsity_shift_counts_standard_errors_beyond_each_layers_toleranc
     assert no_baseline.layer_sparsity_shift is None
 
 
+def test_signal_spread_ratio_bounds_the_windows_spread_against_the_baselines() -> None:
+    """25 requests whose sparsity alternates 0.40 / 0.44, against a baseline sd of 0.04: the
+    chi-square upper bound (z = 4) of their sd over 0.04; the same request repeated gives 0."""
+    sparsity = {"mean": 0.42, "sd": 0.04, "tolerance": 0.01, "n": 100}
+    baseline = {"signals": {"sparsity_ratio": sparsity}, "sparsity_per_layer": []}
+    values = [0.40 if i % 2 else 0.44 for i in range(25)]
+    events = [make_event(secs(i), sparsity_ratio=v) for i, v in enumerate(values)]
+    [summary] = [
+        w["5m"] for w in snapshot(fold(events), secs(30), baselines={"cal-1": baseline}).values()
+    ]
+    mean = sum(values) / 25
+    unbiased = sum((v - mean) ** 2 for v in values) / 24
+    chi2_low = 24 * (1 - 2 / 216 - 4 * math.sqrt(2 / 216)) ** 3
+    assert summary.signal_spread_ratio == pytest.approx(math.sqrt(24 * unbiased / chi2_low) / 0.04)
+    same = [make_event(secs(i), sparsity_ratio=0.42) for i in range(25)]
+    [alike] = [
+        w["5m"] for w in snapshot(fold(same), secs(30), baselines={"cal-1": baseline}).values()
+    ]
+    assert alike.signal_spread_ratio == pytest.approx(0.0, abs=1e-6)
+    assert snapshot(fold(events), secs(30))[KEY]["5m"].signal_spread_ratio is None
+
+
 def test_window_bounds_follow_the_bucket_holding_now() -> None:
     windows = snapshot(fold(hand_made_events()), secs(65))[KEY]
     assert (windows["5m"].start, windows["5m"].end) == (secs(-230), secs(70))

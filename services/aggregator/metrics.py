@@ -32,6 +32,7 @@ WINDOW_GAUGES = {
     "silence_spike_share": "sparseguard_window_silence_spike_ratio",
     "late_silence_mean": "sparseguard_window_late_silence_ratio",
     "layer_sparsity_shift": "sparseguard_window_layer_sparsity_shift",
+    "signal_spread_ratio": "sparseguard_window_signal_spread_ratio",
     "cache_hit_rate_mean": "sparseguard_window_cache_hit_ratio",
 }
 # What each key's windows are compared with (services/aggregator/references.py), per signal.

@@ -88,6 +88,32 @@ def layer_shift(sums: list[float], counts: list[int], layers: list[Reference]) -
     return max(found) if found else None
 
 
+def spread_bound(n: int, sd: float, z: float) -> float:
+    """Upper confidence bound on the standard deviation behind `n` values whose population sd
+    is `sd`: sqrt((n - 1) s^2 / q) with s^2 the unbiased variance and q the chi-square
+    (n - 1 degrees of freedom) quantile `z` standard normal deviations below its centre
+    (Wilson-Hilferty). Infinite for n < 2 or where the approximation gives no positive q."""
+    k = n - 1
+    if k < 1:
+        return math.inf
+    q = k * (1 - 2 / (9 * k) - z * math.sqrt(2 / (9 * k))) ** 3
+    return math.sqrt(sd * sd * n / q) if q > 0 else math.inf
+
+
+def spread_ratio(windows: list[tuple[int, float, Reference]], z: float) -> float | None:
+    """How much a window's requests vary against healthy traffic: over the signals with a
+    measured baseline, the largest ratio of the window's spread (its upper confidence bound,
+    `spread_bound`) to the baseline's per-request sd. Healthy traffic sits near 1 or above;
+    one prompt repeated gives nearly the same signals every time and a ratio near 0. Each
+    item is (values, window sd, reference); None where no signal has a baseline."""
+    found = [
+        spread_bound(n, sd, z) / ref.spread
+        for n, sd, ref in windows
+        if ref.source == "baseline" and ref.spread > 0 and n >= 2
+    ]
+    return max(found) if found else None
+
+
 def spike_reference(signals: SignalSettings, measured: bool) -> Reference:
     """The share of requests with a silence-spike reason. Against a baseline the reason fires
     on `reason_budget` of healthy requests (a binomial share); the published rule alerts over

@@ -33,6 +33,9 @@ class WindowSummary:
     # The largest per-layer sparsity shift against the baseline, in standard errors beyond
     # the layer's tolerance (services/aggregator/references.py layer_shift); None without one.
     layer_sparsity_shift: float | None
+    # How much the requests' signals vary against healthy traffic's (references.spread_ratio):
+    # near 0 when one prompt is sent over and over; None without a baseline.
+    signal_spread_ratio: float | None
     silence_spikes: int
     silence_spike_share: float | None
     trust_actions: dict[str, int]

@@ -40,12 +40,25 @@ from services.aggregator.buckets import (
     Bucket,
     observe,
 )
-from services.aggregator.references import Reference, layer_shift, layer_sparsity, references
+from services.aggregator.references import (
+    Reference,
+    layer_shift,
+    layer_sparsity,
+    references,
+    spread_ratio,
+)
 from services.aggregator.summary import WindowSummary
 from services.config import SignalSettings
 from services.telemetry.schema import TelemetryEvent
 
 WINDOWS: dict[str, float] = {"5m": 300, "1h": 3600, "24h": 86400}
+# The signals whose spread across a window's requests `spread_ratio` compares with healthy.
+SPREAD_SIGNALS = {
+    "sparsity": SPARSITY,
+    "gate_confidence": GATE,
+    "gate_entropy": ENTROPY,
+    "late_silence": LATE_SILENCE,
+}
 DEFAULT_BUCKET_S: dict[str, float] = {"5m": 10, "1h": 60, "24h": 900}
 Key = tuple[str, str]  # (model, level), the telemetry partition key
 DENSE = "dense"
@@ -178,8 +191,9 @@ def snapshot(
             totals.get("24h", (None, None))[1],
         )
         layers = layer_sparsity(baseline) if key[1] != DENSE else []
+        z = (signals or SignalSettings()).alert_z
         found[key] = {
-            w: _summarize(w, ring, total, at, version, refs, targets or {}, layers)
+            w: _summarize(w, ring, total, at, version, refs, targets or {}, layers, z)
             for w, (ring, total) in totals.items()
         }
     return found
@@ -219,8 +233,14 @@ def _summarize(
     refs: dict[str, Reference],
     targets: Mapping[str, float],
     layers: list[Reference],
+    z: float,
 ) -> WindowSummary:
     last = math.floor(at / ring.bucket_s)
+    spreads = [
+        (total.counts[i], total.sd(i), refs[name])
+        for name, i in SPREAD_SIGNALS.items()
+        if name in refs
+    ]
     outside = total.gate_outside / total.counts[GATE] if total.counts[GATE] else None
     answered = total.requests - total.errors
     return WindowSummary(
@@ -242,6 +262,7 @@ def _summarize(
         late_silence_mean=total.mean(LATE_SILENCE),
         sparsity_per_layer=total.sparsity.means(),
         layer_sparsity_shift=layer_shift(total.sparsity.sums, total.sparsity.counts, layers),
+        signal_spread_ratio=spread_ratio(spreads, z),
         silence_spikes=total.spikes,
         silence_spike_share=total.spikes / answered if answered else None,
         trust_actions=dict(total.trust_actions),

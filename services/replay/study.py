@@ -33,7 +33,7 @@ INTENDED = {
     "miscalibrated": "GateConfidenceOutOfBand",
     "damaged": "LayerSparsityShift",
     "garbage": "SilenceSpikes",
-    "templated": "LateSilenceHigh",
+    "templated": "SignalSpreadCollapsed",
     "multilingual": "GateConfidenceOutOfBand",
     "prefix-defeating": "PrefixCacheHitRateLow",
 }

@@ -62,6 +62,7 @@ class WindowRow(BaseModel):
     drift_kl_mean: float | None
     late_silence_mean: float | None
     layer_sparsity_shift: float | None  # standard errors beyond a layer's tolerance
+    signal_spread_ratio: float | None  # the requests' spread against healthy traffic's
     cache_hit_rate_mean: float | None
     latency_p50_ms: float | None
     latency_p99_ms: float | None
@@ -221,6 +222,7 @@ def _window_row(snapshot: WindowSnapshot, rules: list[Rule]) -> WindowRow:
         drift_kl_mean=data.get("drift_kl_mean"),
         late_silence_mean=data.get("late_silence_mean"),
         layer_sparsity_shift=data.get("layer_sparsity_shift"),
+        signal_spread_ratio=data.get("signal_spread_ratio"),
         cache_hit_rate_mean=data.get("cache_hit_rate_mean"),
         latency_p50_ms=latency.get("p50"),
         latency_p99_ms=latency.get("p99"),
