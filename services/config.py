@@ -200,11 +200,13 @@ class SignalSettings(BaseModel):
     # standard errors of a mean of the window's n requests (one-sided).
     alert_z: float = Field(4.0, gt=0.0)
     spike_share_effect: float = Field(0.04, ge=0.0, le=1.0)  # spike share over the budget
-    cache_drop_effect: float = Field(0.10, ge=0.0, le=1.0)  # hit-rate drop vs trailing 24 h
+    # A hit-rate drop worth an alert, as a share of the key's trailing 24 h rate (an absolute
+    # 0.10 was more than a workload whose prompts share a short system prompt ever reached).
+    cache_drop_effect: float = Field(0.5, ge=0.0, le=1.0)
     # A window whose requests vary less than this share of healthy traffic's spread (the upper
     # confidence bound of its sd, alert_z deep, over the baseline's per-request sd; the
     # largest over signals) is one input repeated (SignalSpreadCollapsed).
-    spread_floor: float = Field(0.25, gt=0.0, lt=1.0)
+    spread_floor: float = Field(0.15, gt=0.0, lt=1.0)
     # Golden-set drift, in points (0-100) of the per-item metric (token F1 or chrF): a check is
     # over budget when its 95 % interval's lower bound is above drift_budget; a 24 h mean of
     # lower bounds above drift_recalibrate queues a recalibration. Measured: README.

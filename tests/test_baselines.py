@@ -158,7 +158,8 @@ def test_references_fall_back_to_the_published_numbers() -> None:
     assert "cache_hit" not in refs  # no trailing 24 h yet: no data, not the published floor
     trailing = references(signals, None, None, (MIN_TRAILING, 0.6, 0.2))["cache_hit"]
     error = 0.2 / math.sqrt(MIN_TRAILING)  # the trailing mean's own standard error
-    assert trailing == Reference(0.6, 0.2, signals.cache_drop_effect, "trailing-24h", error)
+    drop = signals.cache_drop_effect * 0.6
+    assert trailing == Reference(0.6, 0.2, drop, "trailing-24h", error)
     measured = references(signals, healthy_level().to_dict(), 0.45, (0, None, 0.0))
     assert measured["gate_confidence"].source == "baseline"
     assert measured["silence_spike"].center == signals.reason_budget

@@ -127,7 +127,8 @@ def spike_reference(signals: SignalSettings, measured: bool) -> Reference:
 def cache_reference(
     signals: SignalSettings, trailing_n: int, trailing_mean: float | None, trailing_sd: float
 ) -> Reference | None:
-    """The key's own trailing 24 h hit rate once it holds MIN_TRAILING requests, else none:
+    """The key's own trailing 24 h hit rate once it holds MIN_TRAILING requests (a drop by
+    `cache_drop_effect` of it is the smallest worth an alert), else none:
     a workload without shared prefixes never had a high hit rate, so the published floor
     (signals.cache_hit_min) would alarm on it from the first request; it is not used."""
     if trailing_mean is None or trailing_n < MIN_TRAILING:
@@ -135,7 +136,7 @@ def cache_reference(
     return Reference(
         trailing_mean,
         trailing_sd,
-        signals.cache_drop_effect,
+        signals.cache_drop_effect * trailing_mean,
         "trailing-24h",
         trailing_sd / math.sqrt(trailing_n),
     )
