@@ -202,7 +202,7 @@ class SignalSettings(BaseModel):
     spike_share_effect: float = Field(0.04, ge=0.0, le=1.0)  # spike share over the budget
     # A hit-rate drop worth an alert, as a share of the key's trailing 24 h rate (an absolute
     # 0.10 was more than a workload whose prompts share a short system prompt ever reached).
-    cache_drop_effect: float = Field(0.5, ge=0.0, le=1.0)
+    cache_drop_effect: float = Field(0.25, ge=0.0, le=1.0)
     # A window whose requests vary less than this share of healthy traffic's spread (the upper
     # confidence bound of its sd, alert_z deep, over the baseline's per-request sd; the
     # largest over signals) is one input repeated (SignalSpreadCollapsed).
