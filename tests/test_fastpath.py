@@ -5,6 +5,10 @@ signals as the hooks record."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -184,3 +188,19 @@ def test_the_gpu_benchmark_script_runs_on_a_config(tmp_path: Path) -> None:
         sparse["bytes_per_token"] < 0.8 * rows[("reference", "float32", "dense")]["bytes_per_token"]
     )
     assert all(r["tokens_per_s"] > 0 for r in report["rows"]) and report["device"] == "cpu"
+
+
+def test_a_build_lock_left_by_a_killed_process_does_not_block_the_next(
+    native: Any, tmp_path: Path
+) -> None:
+    """PyTorch's build lock is a file only its holder removes; a worker killed while holding
+    it made every later worker wait forever. A copy of the built kernels with such a file left
+    in it loads in a fresh process."""
+    for built in kernels.build_dir().iterdir():
+        if built.is_file() and built.name not in ("lock", "build.flock"):
+            shutil.copy2(built, tmp_path / built.name)
+    (tmp_path / "lock").touch()
+    env = {**os.environ, "SPARSEGUARD_KERNELS_DIR": str(tmp_path)}
+    code = "from sparse_engine.runtime import kernels; kernels.build()"
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
+    assert not (tmp_path / "lock").exists()

@@ -12,6 +12,7 @@ per row."""
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import threading
@@ -49,17 +50,25 @@ def build(verbose: bool = False) -> Any:
         directory = build_dir()
         directory.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
-        try:
-            module = cpp_extension.load(
-                name="sparseguard_rows",
-                sources=[str(SOURCE)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(directory),
-                verbose=verbose,
-            )
-        except (RuntimeError, OSError, ImportError) as exc:
-            raise KernelUnavailableError(f"could not build the sparse kernel: {exc}") from exc
+        # PyTorch's own build lock is a file that only its holder removes: a process killed
+        # while holding it (a worker stopped at start-up) left every later build waiting
+        # forever. An OS lock is released when its holder dies, so whoever holds it knows a
+        # leftover file is stale.
+        with (directory / "build.flock").open("w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            (directory / "lock").unlink(missing_ok=True)
+            try:
+                module = cpp_extension.load(
+                    name="sparseguard_rows",
+                    sources=[str(SOURCE)],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(directory),
+                    verbose=verbose,
+                )
+            except (RuntimeError, OSError, ImportError) as exc:
+                msg = f"could not build the sparse kernel: {exc}"
+                raise KernelUnavailableError(msg) from exc
         _loaded["module"] = module
         return module
 
