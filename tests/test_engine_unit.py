@@ -23,7 +23,7 @@ from sparse_engine.sparsity.plan import Level, SparsityPlan
 from sparse_engine.sparsity.recorder import SignalRecorder
 from tests.tiny import sample_texts, tiny_model
 
-FAMILIES = ["llama", "qwen2", "gpt2"]
+FAMILIES = ["llama", "qwen2", "gemma3", "gpt2"]
 
 
 def batches(lm: LoadedModel, n: int = 8) -> list[torch.Tensor]:

@@ -1,4 +1,5 @@
-"""The lean decode path against the Hugging Face reference (tiny Llama), with the compiled
+"""The lean decode path against the Hugging Face reference (tiny Llama and Qwen2, whose q/k/v
+biases it carries), with the compiled
 kernels and with the PyTorch fallback: the same logits in dense mode, the same as the masked
 reference at the same thresholds in sparse mode (down only, and every projection), and the same
 signals as the hooks record."""
@@ -38,9 +39,9 @@ def native() -> Any:
     return module
 
 
-@pytest.fixture(scope="module")
-def engine() -> Engine:
-    return tiny_engine(cache=False)
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def engine(request: pytest.FixtureRequest) -> Engine:
+    return tiny_engine(cache=False, family=request.param)
 
 
 def _every_role(engine: Engine, target: float) -> SparsityPlan:
@@ -135,8 +136,9 @@ def test_fast_path_refuses_what_it_cannot_run(engine: Engine) -> None:
     decoder = FastDecoder(engine.lm, max_len=8)
     with pytest.raises(ValueError, match="exceed the fast path's 8 tokens"):
         decoder.prefill(list(range(9)), engine.plan(Level.DENSE))
-    with pytest.raises(UnsupportedModelError, match="Llama-family"):
-        FastDecoder(tiny_model("gpt2"))
+    for family in ("gpt2", "gemma3"):
+        with pytest.raises(UnsupportedModelError, match="Llama-family"):
+            FastDecoder(tiny_model(family))
 
 
 def test_speed_rows_count_the_weight_bytes_a_token_reads(engine: Engine, native: Any) -> None:

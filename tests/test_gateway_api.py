@@ -42,7 +42,7 @@ def test_openai_sdk_completion_with_headers_and_telemetry(
     oai: openai.OpenAI, sink: RecordingSink
 ) -> None:
     raw = oai.chat.completions.with_raw_response.create(
-        model="tiny",
+        model="tiny-llama",
         messages=[{"role": "user", "content": "Say hi"}],
         max_tokens=8,
         extra_body={"ir_sparse_level": "balanced"},
@@ -64,7 +64,7 @@ def test_openai_sdk_completion_with_headers_and_telemetry(
 
 def test_openai_sdk_stream_ends_with_usage_and_stats(oai: openai.OpenAI) -> None:
     stream = oai.chat.completions.create(
-        model="tiny",
+        model="tiny-llama",
         messages=[{"role": "user", "content": "Count"}],
         max_tokens=6,
         stream=True,
@@ -90,7 +90,7 @@ def claude(url: str) -> Iterator[anthropic.Anthropic]:
 
 def test_anthropic_sdk_message_and_stream(claude: anthropic.Anthropic) -> None:
     message = claude.messages.create(
-        model="tiny",
+        model="tiny-llama",
         max_tokens=6,
         system=LONG_SYSTEM,
         messages=[{"role": "user", "content": "Hello"}],
@@ -100,7 +100,7 @@ def test_anthropic_sdk_message_and_stream(claude: anthropic.Anthropic) -> None:
     assert message.usage.output_tokens >= 1
     assert "system_prompt>200" in " ".join((message.model_extra or {})["ir_stats"]["policy"])
     with claude.messages.stream(
-        model="tiny", max_tokens=6, messages=[{"role": "user", "content": "Hi"}]
+        model="tiny-llama", max_tokens=6, messages=[{"role": "user", "content": "Hi"}]
     ) as stream:
         streamed = "".join(stream.text_stream)
         final = stream.get_final_message()
@@ -112,7 +112,7 @@ def test_shared_system_prompt_hits_the_prefix_cache(oai: openai.OpenAI) -> None:
     hit_rates = []
     for question in ("first?", "second?"):
         raw = oai.chat.completions.with_raw_response.create(
-            model="tiny",
+            model="tiny-llama",
             max_tokens=2,
             messages=[
                 {"role": "system", "content": "Cache me. " + LONG_SYSTEM},
@@ -136,8 +136,8 @@ def test_models_health_and_metrics(url: str, oai: openai.OpenAI) -> None:
 
 BAD_OPENAI = [
     (b"{not json", 400, "not valid JSON"),
-    (b'{"model": "m", "messages": []}', 400, "messages"),
-    (b'{"model": "m", "messages": [{"role": "wizard", "content": "x"}]}', 400, "role"),
+    (b'{"model": "", "messages": []}', 400, "messages"),
+    (b'{"model": "", "messages": [{"role": "wizard", "content": "x"}]}', 400, "role"),
     (
         b'{"messages": [{"role": "user", "content": "x"}], "ir_sparse_level": "turbo"}',
         400,
@@ -177,6 +177,19 @@ def test_bad_anthropic_input_uses_anthropic_error_shape(url: str) -> None:
     assert response.status_code == 400
     body = response.json()
     assert body["type"] == "error" and "max_tokens" in body["error"]["message"]
+
+
+def test_unknown_model_gets_each_apis_not_found_error(url: str, oai: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as raised:
+        oai.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
+    error = raised.value.response.json()["error"]
+    assert error["code"] == "model_not_found" and error["type"] == "invalid_request_error"
+    assert "'gpt-4o'" in error["message"] and "'tiny-llama'" in error["message"]
+    body = {"model": "claude-x", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
+    reply = httpx.post(f"{url}/v1/messages", json=body)
+    assert reply.status_code == 404
+    assert reply.json()["error"]["type"] == "not_found_error"
+    assert "'claude-x'" in reply.json()["error"]["message"]
 
 
 def test_api_keys_are_checked(tmp_path: Path) -> None:

@@ -75,7 +75,7 @@ def with_knowledge(settings: Settings, passages: list[Passage]) -> None:
 
 def ask(url: str, question: str = QUESTION, stream: bool = False) -> httpx.Response:
     body = {
-        "model": "tiny",
+        "model": "tiny-llama",
         "messages": [{"role": "user", "content": question}],
         "max_tokens": 6,
         "ir_sparse_level": "balanced",
@@ -133,7 +133,7 @@ def test_nothing_retrieved_means_simplify_and_other_routes_only_flag(
         anthropic = httpx.post(
             f"{url}/v1/messages",
             json={
-                "model": "tiny",
+                "model": "tiny-llama",
                 "max_tokens": 6,
                 "messages": [{"role": "user", "content": "Hi"}],
             },

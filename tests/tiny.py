@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -63,6 +65,12 @@ def tiny_model(family: str = "llama", seed: int = 0) -> LoadedModel:
         model = LlamaForCausalLM(LlamaConfig(**common, **llama_like))
     elif family == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common, **llama_like))
+        for layer in model.model.layers:  # initialised to zero: make them count
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    elif family == "gemma3":
+        config = Gemma3TextConfig(**common, **llama_like, head_dim=16, sliding_window=8)
+        model = Gemma3ForCausalLM(config)
     elif family == "gpt2":
         model = GPT2LMHeadModel(
             GPT2Config(**common, n_embd=64, n_layer=2, n_head=4, n_positions=512)
@@ -83,9 +91,10 @@ def sample_texts(n: int = 12) -> list[str]:
     return [f"Document {i}. " + SAMPLE_TEXT * (1 + i % 3) for i in range(n)]
 
 
-def tiny_engine(cache: bool = True) -> Engine:
-    """A tiny Llama with conservative/balanced/aggressive plans at 30/50/70 % sparsity."""
-    lm = tiny_model("llama")
+def tiny_engine(cache: bool = True, family: str = "llama") -> Engine:
+    """A tiny model (Llama unless said) with conservative/balanced/aggressive plans at
+    30/50/70 % sparsity."""
+    lm = tiny_model(family)
     batches = [torch.tensor([lm.tokenizer(t)["input_ids"][:96]]) for t in sample_texts(6)]
     stats = collect_stats(lm.model, lm.layers, batches, ("down",))
     targets = {Level.CONSERVATIVE: 0.3, Level.BALANCED: 0.5, Level.AGGRESSIVE: 0.7}

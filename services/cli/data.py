@@ -1,4 +1,4 @@
-"""`sparseguard model fetch` and `sparseguard data list|fetch`."""
+"""`sparseguard model list|fetch` and `sparseguard data list|fetch`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 from services.cli.common import emit
 from services.config import Settings
 from sparse_engine.data import corpora
-from sparse_engine.model.catalog import resolve_model
+from sparse_engine.model.catalog import model_statuses, resolve_model
 
 
 def register(commands: Any) -> None:
@@ -18,6 +18,8 @@ def register(commands: Any) -> None:
     fetch = model.add_parser("fetch", help="fetch and convert a model into the cache (idempotent)")
     fetch.add_argument("name", nargs="?", help="model name, HF directory or GGUF file")
     fetch.set_defaults(handler=fetch_model)
+    listing = model.add_parser("list", help="the known models and which of them are fetched")
+    listing.set_defaults(handler=list_models)
 
     data = commands.add_parser("data", help="packaged corpora").add_subparsers(
         dest="action", required=True
@@ -30,6 +32,19 @@ def register(commands: Any) -> None:
 
 def fetch_model(args: argparse.Namespace, settings: Settings) -> int:
     emit(str(resolve_model(args.name or settings.engine.model, settings.cache_home)))
+    return 0
+
+
+def list_models(args: argparse.Namespace, settings: Settings) -> int:
+    emit(f"{'name':30} {'family':12} {'template':8} {'fetched':8} licence")
+    for status in model_statuses(settings.cache_home):
+        known = status.model
+        fetched = "yes" if status.converted else ("gguf" if status.gguf else "no")
+        emit(f"{known.name:30} {known.family:12} {known.template:8} {fetched:8} {known.licence}")
+        if status.converted:
+            emit(f"{'':30} at {status.converted}")
+    emit(f"serving: {settings.engine.model} (set SPARSEGUARD_ENGINE__MODEL to change)")
+    emit("fetch one: sparseguard model fetch NAME")
     return 0
 
 

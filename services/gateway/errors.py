@@ -30,10 +30,17 @@ KINDS = {
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        headers: dict[str, str] | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.code = code  # OpenAI's `error.code`, such as "model_not_found"
         self.headers = headers or {}
         self.recorded = False  # set once the request's telemetry event carries this error
 
@@ -42,11 +49,15 @@ def is_anthropic(path: str) -> bool:
     return path.startswith("/v1/messages")
 
 
-def error_body(anthropic: bool, status: int, message: str) -> dict[str, object]:
+def error_body(
+    anthropic: bool, status: int, message: str, code: str | None = None
+) -> dict[str, object]:
     kind = KINDS.get(status, "api_error")
     if anthropic:
         return {"type": "error", "error": {"type": kind, "message": message}}
-    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    if status == 404 and code is not None:
+        kind = "invalid_request_error"  # OpenAI's kind for a missing model
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
 
 
 CHAT_PATHS = ("/v1/chat/completions", "/v1/messages")
@@ -60,7 +71,7 @@ def install_error_handlers(app: FastAPI, on_reject: OnReject | None = None) -> N
     def error_response(request: Request, error: ApiError) -> JSONResponse:
         if on_reject and not error.recorded and request.url.path in CHAT_PATHS:
             on_reject(request, error)
-        body = error_body(is_anthropic(request.url.path), error.status, error.message)
+        body = error_body(is_anthropic(request.url.path), error.status, error.message, error.code)
         return JSONResponse(body, status_code=error.status, headers=error.headers)
 
     @app.exception_handler(ApiError)

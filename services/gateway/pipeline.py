@@ -66,6 +66,7 @@ class Answered:
 
 def prepare(rt: Runtime, chat: ChatInput) -> Prepared:
     """Clean the text and apply the policy; raises ApiError(400) for bad levels."""
+    _check_model(rt, chat.model)
     trace_id = uuid.uuid4().hex
     flags: list[str] = []
     messages = []
@@ -195,6 +196,19 @@ async def _serve(
 
     async for item in _drain(_submit(rt, run)):
         yield item
+
+
+def _check_model(rt: Runtime, model: str) -> None:
+    """Serve mode answers only for the model it serves (an empty name means that one); in
+    proxy mode the name is the upstream's to judge."""
+    served = rt.engine.lm.model_id
+    if rt.settings.gateway.mode == "proxy" or model in ("", served):
+        return
+    raise ApiError(
+        404,
+        f"model: {model!r} is not served here; this gateway serves {served!r} (GET /v1/models)",
+        code="model_not_found",
+    )
 
 
 async def _proxy(

@@ -10,7 +10,15 @@ from sparse_engine.model.arch import (
     find_layers,
     input_width,
 )
-from sparse_engine.model.catalog import DEFAULT_MODEL, fetch_model, gguf_file, resolve_model
+from sparse_engine.model.catalog import (
+    DEFAULT_MODEL,
+    ModelStatus,
+    fetch_model,
+    gguf_file,
+    known_model,
+    model_statuses,
+    resolve_model,
+)
 from sparse_engine.model.loader import LoadedModel, load_model, wrap
 from sparse_engine.model.model_dir import MARKER_NAME, ModelError, weights_sha256
 
@@ -20,13 +28,16 @@ __all__ = [
     "LayerParts",
     "LoadedModel",
     "ModelError",
+    "ModelStatus",
     "Unit",
     "UnsupportedModelError",
     "fetch_model",
     "find_layers",
     "gguf_file",
     "input_width",
+    "known_model",
     "load_model",
+    "model_statuses",
     "resolve_model",
     "weights_sha256",
     "wrap",

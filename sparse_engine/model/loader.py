@@ -17,6 +17,7 @@ from transformers import (
 )
 
 from sparse_engine.model.arch import LayerParts, find_layers
+from sparse_engine.model.chat import ensure_template
 from sparse_engine.model.model_dir import pruned_entry, weights_sha256
 from sparse_engine.model.surgery import resize_mlps
 
@@ -44,6 +45,7 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> LoadedMod
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ensure_template(tokenizer, model_dir.name)
     return wrap(model, tokenizer, model_dir.name, weights_sha256(model_dir))
 
 

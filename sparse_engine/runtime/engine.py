@@ -14,6 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from sparse_engine.model.arch import UnsupportedModelError
+from sparse_engine.model.chat import template_stops
 from sparse_engine.model.loader import LoadedModel
 from sparse_engine.runtime.fastpath import FastDecoder
 from sparse_engine.runtime.generation import Generation, GenerationRequest, GenerationStats, Message
@@ -69,7 +70,11 @@ class Engine:
             if cache is not None:
                 self.fast_prefixes = PrefixCache(cache.max_tokens, cache.min_reuse)
         except UnsupportedModelError as exc:
-            log.info("fast decode path off for %s: %s", self.lm.model_id, exc)
+            log.warning(
+                "fast decode path off for %s, serving on the reference path: %s",
+                self.lm.model_id,
+                exc,
+            )
 
     def plan(self, level: Level | SparsityPlan) -> SparsityPlan:
         """The level's current plan; a plan passed in (pinned when a request was admitted) is
@@ -171,7 +176,10 @@ class Engine:
         plain: str,
     ) -> Iterator[str]:
         recorder = _recorder(self, plan, request.collect_signals)
-        decoder = TextStream(self.lm.tokenizer, request.stop)
+        stops = request.stop
+        if request.messages is not None and not request.ignore_eos:
+            stops += template_stops(self.lm.tokenizer)
+        decoder = TextStream(self.lm.tokenizer, stops)
         seed = request.seed
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         eos = set() if request.ignore_eos else eos_ids(self.lm)

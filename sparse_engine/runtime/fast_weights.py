@@ -1,6 +1,7 @@
 """The fast path's weights: each decoder layer's projections taken out of the Hugging Face
 model once, fused where they share an input (q/k/v, gate/up) and stored input-major (row i is
-what input i adds) in float32, bfloat16 or int8 with one scale per row."""
+what input i adds) in float32, bfloat16 or int8 with one scale per row. Biases (Qwen2's on
+q/k/v) stay float32, one per output column."""
 
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.in
 @dataclass(frozen=True, slots=True)
 class Matrix:
     """One or more projections of the same input, fused and stored input-major (in, out);
-    `parts` names each one's columns. int8 weights carry one scale per row."""
+    `parts` names each one's columns. int8 weights carry one scale per row; `bias` is None
+    when no part has one."""
 
     rows: torch.Tensor
     scale: torch.Tensor | None
     parts: tuple[tuple[str, int, int], ...]
+    bias: torch.Tensor | None = None
 
     @classmethod
     def of(cls, modules: dict[str, Any], dtype: torch.dtype) -> Matrix:
@@ -35,7 +38,15 @@ class Matrix:
         if dtype == torch.int8:
             scale = (rows.abs().amax(1) / 127).clamp_min(1e-12)
             rows = (rows / scale[:, None]).round().to(torch.int8)
-        return cls(rows.to(dtype), scale, tuple(parts))
+        bias = None
+        if any(getattr(m, "bias", None) is not None for m in modules.values()):
+            bias = torch.cat(
+                [
+                    m.bias.detach().float() if m.bias is not None else w.new_zeros(w.shape[0])
+                    for m, w in zip(modules.values(), weights, strict=True)
+                ]
+            ).contiguous()
+        return cls(rows.to(dtype), scale, tuple(parts), bias)
 
     @property
     def nbytes(self) -> int:
@@ -62,8 +73,8 @@ def matrices(layer: LayerWeights) -> tuple[Matrix, Matrix, Matrix, Matrix]:
 
 def extract_layer(layer: Any, dtype: torch.dtype) -> LayerWeights:
     attn, mlp = layer.self_attn, layer.mlp
-    if attn.q_proj.bias is not None or mlp.down_proj.bias is not None:
-        raise UnsupportedModelError("the fast path supports projections without biases")
+    if any(m.bias is not None for m in (attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+        raise UnsupportedModelError("the fast path supports biases on q, k and v only")
     return LayerWeights(
         attn_norm=layer.input_layernorm.weight.detach(),
         qkv=Matrix.of({"q": attn.q_proj, "k": attn.k_proj, "v": attn.v_proj}, dtype),

@@ -1,12 +1,14 @@
-"""A lean decode path for Llama-family decoders. The weights are taken out of the Hugging Face
-model once, stored input-major (row i of a projection is what its input i adds) in float32,
-bfloat16 or int8, with q/k/v and gate/up fused; the KV cache is preallocated. A calibrated
-plan's thresholds on projection inputs (any of q, k, v, o, gate, up, down) decide which weight
-rows a decode step reads. With the compiled module (`runtime.kernels`) a decode step is
-one call that runs every layer and reads only the rows of kept activations; without it, one
-Python loop over the layers with a PyTorch row gather. A prefill is the masked dense product,
-as the hooks compute it. Signals are recorded as the hooks record them, summed per layer and
-handed to the recorder once per step."""
+"""A lean decode path for Llama-family decoders (Llama, Mistral, Qwen2 with its q/k/v
+biases). The weights are taken out of the Hugging Face model once, stored input-major (row i
+of a projection is what its input i adds) in float32, bfloat16 or int8, with q/k/v and gate/up
+fused; the KV cache is preallocated. A calibrated plan's thresholds on projection inputs (any
+of q, k, v, o, gate, up, down) decide which weight rows a decode step reads. With the compiled
+module (`runtime.kernels`) a decode step is one call that runs every layer and reads only the
+rows of kept activations; without it, one Python loop over the layers with a PyTorch row
+gather. A prefill is the masked dense product, as the hooks compute it. Signals are recorded
+as the hooks record them, summed per layer and handed to the recorder once per step. Gemma 3
+(scaled embeddings, extra norms, GELU, sliding-window layers) is not covered: the engine says
+so at start and serves it on the reference path."""
 
 from __future__ import annotations
 
@@ -79,7 +81,7 @@ class FastDecoder:
                 raise ValueError("the compiled kernels run on the CPU; pass native=None")
             self._layers = native.Layers(self.heads, self.kv_heads, self.head_dim, self.eps)
             for layer in self.layers:
-                mats = [native.Matrix(m.rows, m.scale) for m in matrices(layer)]
+                mats = [native.Matrix(m.rows, m.scale, m.bias) for m in matrices(layer)]
                 self._layers.add(layer.attn_norm, layer.mlp_norm, mats)
 
     @property
@@ -203,7 +205,7 @@ class FastDecoder:
             y, kept, kept_abs, total_abs = self.kernel(
                 x[0], m.rows, m.scale, -1.0 if limit is None else limit, begin, end
             )
-            outputs.append(y)
+            outputs.append(y if m.bias is None else y + m.bias[begin:end])
             if i >= 0:
                 self.weights_read += kept * (end - begin)
                 self.weights_total += width * (end - begin)
@@ -225,12 +227,13 @@ class FastDecoder:
         rows = m.float_rows()
         outputs = []
         for limit, begin, end, parts in groups:
+            bias = m.bias[begin:end] if m.bias is not None else 0.0
             if limit is None:
-                outputs.append(x @ rows[:, begin:end])
+                outputs.append(x @ rows[:, begin:end] + bias)
                 continue
             magnitude = x.abs()
             kept = magnitude > limit
-            outputs.append((x * kept) @ rows[:, begin:end])
+            outputs.append((x * kept) @ rows[:, begin:end] + bias)
             if counts is not None:
                 share = float(signals.kept_magnitude_share(magnitude, kept).sum())
                 for _ in range(parts):

@@ -135,13 +135,19 @@ struct Stats {
   double kept_abs, total_abs;
 };
 
-// A projection stored input-major (in, out), with one scale per row for int8 weights.
+// A projection stored input-major (in, out), with one scale per row for int8 weights and an
+// optional float32 bias per output column (Qwen2's q/k/v).
 struct Matrix {
   torch::Tensor w;
   c10::optional<torch::Tensor> scale;
+  c10::optional<torch::Tensor> bias;
 
-  Matrix(torch::Tensor weights, c10::optional<torch::Tensor> scales)
-      : w(std::move(weights)), scale(std::move(scales)) {
+  Matrix(torch::Tensor weights, c10::optional<torch::Tensor> scales,
+         c10::optional<torch::Tensor> biases = c10::nullopt)
+      : w(std::move(weights)), scale(std::move(scales)), bias(std::move(biases)) {
+    TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == torch::kFloat32 &&
+                                      bias->is_contiguous() && bias->numel() == w.size(1)),
+                "a bias is a contiguous float32 vector with one value per output column");
     TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "weights must be a contiguous (in, out) matrix");
     const auto type = w.scalar_type();
     TORCH_CHECK(type == torch::kFloat32 || type == torch::kBFloat16 || type == torch::kInt8,
@@ -184,6 +190,10 @@ struct Matrix {
         break;
       default:
         run(w.data_ptr<int8_t>(), out, begin, end, rows, coef, y);
+    }
+    if (bias.has_value()) {
+      const float* b = bias->data_ptr<float>() + begin;
+      for (int64_t j = 0; j < end - begin; ++j) y[j] += b[j];
     }
     return stats;
   }
@@ -360,7 +370,10 @@ class Layers {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Matrix>(m, "Matrix")
-      .def(pybind11::init<torch::Tensor, c10::optional<torch::Tensor>>());
+      .def(pybind11::init<torch::Tensor, c10::optional<torch::Tensor>,
+                          c10::optional<torch::Tensor>>(),
+           pybind11::arg("weights"), pybind11::arg("scale"),
+           pybind11::arg("bias") = pybind11::none());
   pybind11::class_<Layers>(m, "Layers")
       .def(pybind11::init<int64_t, int64_t, int64_t, double>())
       .def("add", &Layers::add)
