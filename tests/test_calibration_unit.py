@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from tokenizers.processors import TemplateProcessing
 
 from sparse_engine.calibration.pipeline import CalibrationConfig, calibrate, prepare_data
 from sparse_engine.calibration.store import CalibrationNotFoundError, CalibrationStore
-from sparse_engine.evaluation.perplexity import PerplexityResult
+from sparse_engine.evaluation.perplexity import PerplexityResult, perplexity
 from sparse_engine.runtime.engine import Engine, GenerationRequest
-from sparse_engine.sparsity.plan import Level
+from sparse_engine.sparsity.plan import Level, SparsityPlan
 from tests.tiny import sample_texts, tiny_model
 
 CFG = CalibrationConfig(samples=6, seq_len=96, heldout_tokens=256, max_rows=64)
@@ -25,6 +26,33 @@ def test_prepare_data_keeps_samples_and_heldout_disjoint() -> None:
     assert len(data.batches) == 6 and data.heldout.numel() == 256
     with pytest.raises(ValueError, match="lower --samples"):
         prepare_data(lm.tokenizer, texts[:3], CFG, "tiny")
+
+
+def test_a_bos_prefix_comes_before_every_sample_and_scored_chunk() -> None:
+    """A model whose tokenizer starts text with <bos> (Gemma) is calibrated and scored as it
+    is served: each sample and each perplexity chunk after <bos>, which is not scored."""
+    lm = tiny_model()
+    bos = lm.tokenizer.eos_token_id  # the byte tokenizer's only special token stands in
+    lm.tokenizer._tokenizer.post_processor = TemplateProcessing(
+        single="<eos> $A", special_tokens=[("<eos>", bos)]
+    )
+    assert lm.bos_prefix == (bos,)
+    data = prepare_data(lm.tokenizer, sample_texts(12), CFG, "tiny")
+    assert data.prefix == (bos,) and all(int(b[0, 0]) == bos for b in data.batches)
+    ids = data.heldout[:97]
+    got = perplexity(lm.model, lm.layers, ids, SparsityPlan(), chunk=48, prefix=(bos,))
+    nll = []
+    with torch.inference_mode():
+        for start in (0, 48):
+            chunk = ids[start : start + 49]
+            logits = lm.model(input_ids=torch.cat([torch.tensor([bos]), chunk[:-1]])[None]).logits
+            nll.append(
+                torch.nn.functional.cross_entropy(logits[0, 1:], chunk[1:], reduction="none")
+            )
+    assert got.num_tokens == 96
+    assert got.perplexity == pytest.approx(math.exp(float(torch.cat(nll).mean())), rel=1e-5)
+    plain = perplexity(lm.model, lm.layers, ids, SparsityPlan(), chunk=48)
+    assert plain.perplexity != pytest.approx(got.perplexity, rel=1e-6)
 
 
 def test_calibrate_stays_within_budgets_and_round_trips(tmp_path: Path) -> None:

@@ -73,8 +73,12 @@ def dead_mask() -> ChannelMask:
 # --- plan A: masking -----------------------------------------------------------------------
 
 
-def test_masking_planted_dead_channels_changes_nothing_and_hooks_are_removed() -> None:
-    lm = plant_dead(tiny_model())
+FAMILIES = ["llama", "qwen2", "gemma3"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_masking_planted_dead_channels_changes_nothing_and_hooks_are_removed(family: str) -> None:
+    lm = plant_dead(tiny_model(family))
     dense = logits(lm)
     with masked(lm.layers, dead_mask()):
         assert torch.equal(logits(lm), dense)
@@ -138,8 +142,9 @@ def test_engine_keys_prefix_cache_entries_by_mask() -> None:
 # --- plan B: pruning -----------------------------------------------------------------------
 
 
-def test_pruning_dead_channels_is_exact_smaller_and_loads_back(tmp_path: Path) -> None:
-    lm = plant_dead(tiny_model())
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pruning_dead_channels_is_exact_smaller_and_loads_back(tmp_path: Path, family: str) -> None:
+    lm = plant_dead(tiny_model(family))
     saved, result = prune(lm, DEAD, tmp_path / "pruned")
     assert result.intermediate_sizes == [124, 122]
     assert result.params_after < result.params_before == num_parameters(lm.model)
@@ -237,8 +242,9 @@ def test_two_four_mask_keeps_the_two_largest_of_each_group() -> None:
         two_four_mask(torch.ones(2, 6))
 
 
-def test_semi24_copy_is_fully_compliant_and_leaves_the_original() -> None:
-    lm = tiny_model()
+@pytest.mark.parametrize("family", FAMILIES)
+def test_semi24_copy_is_fully_compliant_and_leaves_the_original(family: str) -> None:
+    lm = tiny_model(family)
     roles = ("down", "up", "gate")
     before = compliance_table(lm.layers, roles)
     assert all(0.0 <= c.share < 1.0 for c in before)

@@ -127,6 +127,17 @@ def test_load_texts_from_text_and_jsonl_files(tmp_path: Path) -> None:
     assert load_texts(str(jsonl_file), tmp_path / "home") == ["Hello?", "Bye."]
 
 
+def test_a_mix_takes_one_document_of_each_in_turn(tmp_path: Path) -> None:
+    text_file = tmp_path / "notes.txt"
+    text_file.write_text("Alpha.\n\nBeta.\n\nGamma.\n")
+    jsonl_file = tmp_path / "prompts.jsonl"
+    jsonl_file.write_text('{"prompt": "Hello?"}\n')
+    mixed = load_texts(f"{text_file}+{jsonl_file}", tmp_path / "home")
+    assert mixed == ["Alpha.", "Hello?", "Beta.", "Gamma."]
+    with pytest.raises(CorpusError, match="joined by"):
+        load_texts(f"{text_file}+nowhere", tmp_path)
+
+
 def test_empty_file_is_rejected(tmp_path: Path) -> None:
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n")

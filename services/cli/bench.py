@@ -57,7 +57,9 @@ def run_quality(args: argparse.Namespace, settings: Settings) -> int:
     rows = []
     dense = None
     for level in [lv for lv in Level if lv in eng.plans]:
-        result = perplexity(eng.lm.model, eng.lm.layers, ids, eng.plans[level])
+        result = perplexity(
+            eng.lm.model, eng.lm.layers, ids, eng.plans[level], prefix=eng.lm.bos_prefix
+        )
         dense = dense or result.perplexity
         change = 100.0 * (result.perplexity / dense - 1.0)
         rows.append(

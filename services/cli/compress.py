@@ -200,9 +200,9 @@ def _ppl(
     name: str, lm: LoadedModel, pruned: LoadedModel, mask: ChannelMask, ids: torch.Tensor
 ) -> PerplexityResult:
     if name.startswith("plan B"):
-        return perplexity(pruned.model, pruned.layers, ids, SparsityPlan())
+        return perplexity(pruned.model, pruned.layers, ids, SparsityPlan(), prefix=lm.bos_prefix)
     with masked(lm.layers, mask if name.startswith("plan A") else None):
-        return perplexity(lm.model, lm.layers, ids, SparsityPlan())
+        return perplexity(lm.model, lm.layers, ids, SparsityPlan(), prefix=lm.bos_prefix)
 
 
 def _params(lm: LoadedModel) -> int:
@@ -219,7 +219,7 @@ def run_semi24(args: argparse.Namespace, settings: Settings) -> int:
     sparse = semi24_copy(lm, roles, norms)
     after = compliance_table(sparse.layers, roles)
     results = [
-        perplexity(m.model, m.layers, ids, SparsityPlan())
+        perplexity(m.model, m.layers, ids, SparsityPlan(), prefix=m.bos_prefix)
         for m in tqdm((lm, sparse), desc="perplexity")
     ]
     dense_ppl, sparse_ppl = results[0].perplexity, results[1].perplexity

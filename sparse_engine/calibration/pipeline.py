@@ -23,6 +23,7 @@ from sparse_engine.calibration.stats import ActivationStats, collect_stats, quan
 from sparse_engine.calibration.store import Calibration
 from sparse_engine.data.splits import CorpusTooSmallError, calibration_split
 from sparse_engine.evaluation.perplexity import PerplexityResult, perplexity
+from sparse_engine.model.chat import bos_prefix
 from sparse_engine.model.loader import LoadedModel
 from sparse_engine.sparsity.plan import DEFAULT_BUDGETS_PCT, Level, SparsityPlan
 
@@ -50,6 +51,7 @@ class CalibrationData:
     batches: list[torch.Tensor]
     heldout: torch.Tensor
     name: str
+    prefix: tuple[int, ...] = ()  # the model's <bos>, before each batch and scored chunk
 
 
 def prepare_data(
@@ -73,7 +75,10 @@ def prepare_data(
         raise ValueError(
             f"corpus '{name}' is too small: {exc}; lower --samples or use a larger corpus"
         ) from exc
-    return CalibrationData([torch.tensor([ids]) for ids in batches], torch.tensor(heldout), name)
+    head = list(bos_prefix(tokenizer))
+    return CalibrationData(
+        [torch.tensor([head + ids]) for ids in batches], torch.tensor(heldout), name, tuple(head)
+    )
 
 
 class LevelSearch:
@@ -96,7 +101,7 @@ class LevelSearch:
         if target not in self.results:
             plan = self.plan_at(target)
             self.results[target] = perplexity(
-                self.lm.model, self.lm.layers, self.data.heldout, plan
+                self.lm.model, self.lm.layers, self.data.heldout, plan, prefix=self.data.prefix
             )
             log.info(
                 "%s allocation, target %.3f: sparsity %.3f, perplexity %+.2f%% (upper %+.2f%%)",
@@ -146,7 +151,7 @@ def calibrate(
         quantile_threshold(stats.histogram("down", p.index), cfg.silence_quantile)
         for p in lm.layers
     )
-    dense = perplexity(lm.model, lm.layers, data.heldout, SparsityPlan())
+    dense = perplexity(lm.model, lm.layers, data.heldout, SparsityPlan(), prefix=data.prefix)
     log.info("dense perplexity %.3f on %d held-out tokens", dense.perplexity, dense.num_tokens)
     searches = [
         LevelSearch(name, lm, data, dense, plan_at, cfg.confidence_z)
@@ -157,7 +162,9 @@ def calibrate(
         budget = cfg.budgets_pct[level]
         search, target = _best(searches, budget)
         plan = search.plan_at(target)
-        result = search.results.get(target) or perplexity(lm.model, lm.layers, data.heldout, plan)
+        result = search.results.get(target) or perplexity(
+            lm.model, lm.layers, data.heldout, plan, prefix=data.prefix
+        )
         cal = Calibration(
             model_id=lm.model_id,
             weights_sha256=lm.weights_sha256,

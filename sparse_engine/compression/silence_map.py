@@ -70,7 +70,9 @@ def _zero_hook(index: list[int]) -> Any:
 def measure(lm: LoadedModel, data: CalibrationData, metric: str) -> Any:
     """The metric's raw observation under whatever hooks are active."""
     if metric == "perplexity":
-        return perplexity(lm.model, lm.layers, data.heldout, SparsityPlan()).perplexity
+        return perplexity(
+            lm.model, lm.layers, data.heldout, SparsityPlan(), prefix=data.prefix
+        ).perplexity
     if metric == "answers":
         return greedy_answers(lm.model, answer_prompts(data.heldout))
     raise ValueError(f"unknown ablation metric '{metric}'; choose one of: {', '.join(METRICS)}")

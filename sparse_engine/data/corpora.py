@@ -7,6 +7,7 @@ of documents. The structured benchmarks behind some corpora are exposed too:
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
@@ -169,16 +170,22 @@ def corpus_names() -> list[str]:
 
 
 def load_texts(spec: str, home: Path) -> list[str]:
-    """Documents of the corpus named `spec`, or of the text/.jsonl file at path `spec`."""
+    """Documents of the corpus named `spec`, or of the text/.jsonl file at path `spec`; `A+B`
+    mixes corpora, one document of each in turn (the shorter ones run out first)."""
     if spec in CORPORA:
         return corpus_texts(CORPORA[spec], home)
     path = Path(spec).expanduser()
     if path.is_file():
         return file_texts(path)
+    if "+" in spec:
+        parts = [load_texts(part, home) for part in spec.split("+")]
+        mixed = itertools.zip_longest(*parts)
+        return [doc for docs in mixed for doc in docs if doc is not None]
     raise CorpusError(
         f"{spec!r} is neither a known corpus ({', '.join(CORPORA)}) nor an existing file. "
-        "Pass one of those names, a text file with documents separated by blank lines, or a "
-        ".jsonl file with a 'text' or 'prompt' field per line."
+        "Pass one of those names (or several joined by '+' to mix them), a text file with "
+        "documents separated by blank lines, or a .jsonl file with a 'text' or 'prompt' field "
+        "per line."
     )
 
 

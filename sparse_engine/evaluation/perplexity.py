@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,8 +37,11 @@ def perplexity(
     token_ids: torch.Tensor,
     plan: SparsityPlan,
     chunk: int = 512,
+    prefix: Sequence[int] = (),
 ) -> PerplexityResult:
-    """exp(mean next-token NLL) over `token_ids` (1-D), scored in independent chunks."""
+    """exp(mean next-token NLL) over `token_ids` (1-D), scored in independent chunks, each
+    after `prefix` (the model's <bos>, where it has one), which is not scored."""
+    head = torch.tensor(list(prefix), dtype=token_ids.dtype).unsqueeze(0)
     if token_ids.numel() < 2:
         raise ValueError("held-out text is too short to measure perplexity (need >= 2 tokens)")
     recorder = SignalRecorder(len(layers))
@@ -47,8 +51,9 @@ def perplexity(
             ids = token_ids[start : start + chunk + 1].unsqueeze(0)
             if ids.shape[1] < 2:
                 break
-            logits = model(input_ids=ids[:, :-1]).logits
-            losses.append(F.cross_entropy(logits[0].float(), ids[0, 1:], reduction="none"))
+            logits = model(input_ids=torch.cat([head, ids[:, :-1]], dim=1)).logits
+            scored = logits[0, head.shape[1] :].float()
+            losses.append(F.cross_entropy(scored, ids[0, 1:], reduction="none"))
     token_nll = torch.cat(losses).double()
     summary = recorder.summary()
     ppl = math.exp(float(token_nll.mean()))

@@ -26,6 +26,16 @@ def template_stops(tokenizer: Any) -> tuple[str, ...]:
     return PLAIN_STOPS if getattr(tokenizer, "chat_template", None) == PLAIN_TEMPLATE else ()
 
 
+def bos_prefix(tokenizer: Any) -> tuple[int, ...]:
+    """The tokens the tokenizer puts before any text (Gemma's <bos>; none for SmolLM2 and
+    Qwen2). Text scored or sampled without them is not what the model was trained on: Gemma
+    3 270M's perplexity on Wikipedia chunks was 34.5 without <bos> and 14.0 with it."""
+    plain = list(tokenizer("a", add_special_tokens=False)["input_ids"])
+    full = list(tokenizer("a", add_special_tokens=True)["input_ids"])
+    cut = len(full) - len(plain)
+    return tuple(full[:cut]) if cut > 0 and full[cut:] == plain else ()
+
+
 def ensure_template(tokenizer: Any, model_id: str) -> None:
     """Give a tokenizer without a chat template the plain one, and say so."""
     if not getattr(tokenizer, "chat_template", None):

@@ -28,6 +28,7 @@ class KnownModel:
     family: str  # the Hugging Face model_type it converts to
     parts: tuple[Member, ...]  # joined in this order
     gguf: str  # the joined file's name
+    quant: str  # its quantisation, as llama.cpp names it
     sha256: str  # the joined file's
     licence: str
     template: str  # "own": the chat template that ships with it; "plain": see model.chat
@@ -87,6 +88,7 @@ SMOLLM2 = KnownModel(
         ),
     ),
     gguf="SmolLM2-135M-Instruct.Q4_1.gguf",
+    quant="Q4_1",
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     licence="Apache-2.0",
     template="own",
@@ -103,6 +105,7 @@ QWEN2 = KnownModel(
         for i, (wheel, member) in enumerate(_QWEN_WHEELS, start=1)
     ),
     gguf="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+    quant="Q4_K_M",
     sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     licence="Apache-2.0",
     template="own",
@@ -119,6 +122,7 @@ GEMMA3 = KnownModel(
         for i, (wheel, member) in enumerate(_GEMMA_WHEELS, start=1)
     ),
     gguf="gemma-3-270m-q4_k_m.gguf",
+    quant="Q4_K_M",
     sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     licence="Gemma Terms of Use (GEMMA_TERMS.html, kept beside the model)",
     template="plain",

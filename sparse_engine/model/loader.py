@@ -17,7 +17,7 @@ from transformers import (
 )
 
 from sparse_engine.model.arch import LayerParts, find_layers
-from sparse_engine.model.chat import ensure_template
+from sparse_engine.model.chat import bos_prefix, ensure_template
 from sparse_engine.model.model_dir import pruned_entry, weights_sha256
 from sparse_engine.model.surgery import resize_mlps
 
@@ -35,6 +35,11 @@ class LoadedModel:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def bos_prefix(self) -> tuple[int, ...]:
+        """What the tokenizer puts before any text; scoring prepends it (`chat.bos_prefix`)."""
+        return bos_prefix(self.tokenizer)
 
 
 def load_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> LoadedModel:

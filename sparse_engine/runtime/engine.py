@@ -122,7 +122,7 @@ class Engine:
         if request.messages is not None:
             return self.encode_messages(request.messages), _plain(request.messages)
         if request.prompt is not None:
-            return self.encode_text(request.prompt), request.prompt
+            return [*self.lm.bos_prefix, *self.encode_text(request.prompt)], request.prompt
         raise ValueError("a request needs messages or a prompt")
 
     def encode_messages(self, messages: list[Message]) -> list[int]:
