@@ -55,13 +55,16 @@ bench: $(STAMP)
 	$(SG) bench speed
 
 # Optional: llama.cpp's Python binding, for `bench speed`'s comparison row. It builds from
-# source (about 5 minutes on 2 cores) and no test depends on it. Built for AVX-512 without the
-# AMX kernels: the default native build crashed (signal 11) on its first token on this
-# project's machines, whose processors report AMX.
+# source (about 5 minutes on 2 cores) and no test depends on it. Built without the AMX kernels:
+# the default native build crashed (signal 11) on its first token on machines whose processors
+# report AMX; AVX-512 only where the processor has it (an AVX-512 build dies with signal 4 on
+# an AVX2-only processor).
+LLAMA_AVX512 := $(shell grep -qs avx512f /proc/cpuinfo && echo ON || echo OFF)
 LLAMA_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-	-DGGML_AVX512=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+	-DGGML_AVX512=$(LLAMA_AVX512) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 llama-cpp: $(STAMP)
 	command -v cmake >/dev/null || (apt-get update -qq && apt-get install -y -qq cmake >/dev/null)
+	$(PY) -m pip uninstall --quiet --yes llama-cpp-python  # a build for another processor
 	CMAKE_ARGS="$(LLAMA_CMAKE)" $(PY) -m pip install --quiet --no-cache-dir llama-cpp-python==0.3.36
 
 fmt: $(STAMP)

@@ -1,5 +1,6 @@
-"""Models: where a decoder's parts live (`arch`, the role table), loading one (`loader`),
-the known models and GGUF conversion (`catalog`), a model directory's marker file
+"""Models: where a decoder's parts live (`arch`, the role table), loading one (`loader`), the
+models known by name and their pins (`known`), fetching and GGUF conversion (`catalog`), the
+plain chat template and start-of-text tokens (`chat`), a model directory's marker file
 (`model_dir`), and resizing MLPs (`surgery`, shared by the loader and plan-B pruning).
 May import `data` only."""
 
