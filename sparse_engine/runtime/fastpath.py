@@ -38,11 +38,9 @@ class FastDecoder:
     ) -> None:
         model: Any = lm.model
         cfg = model.config
-        if getattr(cfg, "model_type", "") not in ("llama", "mistral", "qwen2"):
-            raise UnsupportedModelError(
-                f"the fast path supports Llama-family decoders, not {cfg.model_type!r}; "
-                "the reference path serves it"
-            )
+        refusal = unsupported_reason(lm)
+        if refusal is not None:
+            raise UnsupportedModelError(refusal)
         if dtype not in DTYPES:
             raise ValueError(f"unknown weight type {dtype!r}; choose one of {', '.join(DTYPES)}")
         self.lm = lm
@@ -258,6 +256,18 @@ class FastDecoder:
             enable_gqa=True,
         )
         return out[0].transpose(0, 1).reshape(n, self.heads * hd)
+
+
+def unsupported_reason(lm: LoadedModel) -> str | None:
+    """Why the fast path cannot run this model's family, or None (checked before any weight
+    is copied; a layer the path cannot run is refused when the weights are taken out)."""
+    model_type = getattr(lm.model.config, "model_type", "")
+    if model_type in ("llama", "mistral", "qwen2"):
+        return None
+    return (
+        f"the fast path supports Llama-family decoders, not {model_type!r}; "
+        "the reference path serves it"
+    )
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
