@@ -1,6 +1,6 @@
-"""The lean decode path against the Hugging Face reference (tiny Llama and Qwen2, whose q/k/v
-biases it carries), with the compiled
-kernels and with the PyTorch fallback: the same logits in dense mode, the same as the masked
+"""The lean decode path against the Hugging Face reference (tiny Llama, Qwen2 with the q/k/v
+biases it carries, and Gemma 3 with a sliding-window layer shorter than the text), with the
+compiled kernels and with the PyTorch fallback: the same logits in dense mode, the same as the masked
 reference at the same thresholds in sparse mode (down only, and every projection), and the same
 signals as the hooks record."""
 
@@ -39,7 +39,7 @@ def native() -> Any:
     return module
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "gemma3"])
 def engine(request: pytest.FixtureRequest) -> Engine:
     return tiny_engine(cache=False, family=request.param)
 
@@ -114,7 +114,7 @@ def test_narrow_weights_agree_between_kernel_and_fallback(
     fallback, _, _ = _fast(engine, plan, None, dtype)
     torch.testing.assert_close(compiled, fallback, atol=1e-4, rtol=1e-4)
     full, _, wide = _fast(engine, plan, native)
-    assert (compiled - full).abs().max() < 0.05 * full.abs().max()
+    assert (compiled - full).norm() < 0.05 * full.norm()
     assert small.weight_bytes() < 0.6 * wide.weight_bytes()
 
 
@@ -136,9 +136,8 @@ def test_fast_path_refuses_what_it_cannot_run(engine: Engine) -> None:
     decoder = FastDecoder(engine.lm, max_len=8)
     with pytest.raises(ValueError, match="exceed the fast path's 8 tokens"):
         decoder.prefill(list(range(9)), engine.plan(Level.DENSE))
-    for family in ("gpt2", "gemma3"):
-        with pytest.raises(UnsupportedModelError, match="Llama-family"):
-            FastDecoder(tiny_model(family))
+    with pytest.raises(UnsupportedModelError, match="Llama-family and Gemma 3"):
+        FastDecoder(tiny_model("gpt2"))
 
 
 def test_speed_rows_count_the_weight_bytes_a_token_reads(engine: Engine, native: Any) -> None:

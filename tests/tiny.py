@@ -69,7 +69,11 @@ def tiny_model(family: str = "llama", seed: int = 0) -> LoadedModel:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
     elif family == "gemma3":
-        config = Gemma3TextConfig(**common, **llama_like, head_dim=16, sliding_window=8)
+        # One sliding-window layer (8 positions, its own rotary base) and one global layer.
+        layer_types = ["sliding_attention", "full_attention"]
+        config = Gemma3TextConfig(
+            **common, **llama_like, head_dim=16, sliding_window=8, layer_types=layer_types
+        )
         model = Gemma3ForCausalLM(config)
     elif family == "gpt2":
         model = GPT2LMHeadModel(

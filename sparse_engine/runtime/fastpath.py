@@ -1,17 +1,19 @@
 """A lean decode path for Llama-family decoders (Llama, Mistral, Qwen2 with its q/k/v
-biases). The weights are taken out of the Hugging Face model once, stored input-major (row i
+biases) and Gemma 3 (scaled embeddings, `1 + w` norms, q/k norms, norms after each block,
+GELU-tanh, sliding-window layers with their own rotary base). The weights are taken out of the Hugging Face model once, stored input-major (row i
 of a projection is what its input i adds) in float32, bfloat16 or int8, with q/k/v and gate/up
 fused; the KV cache is preallocated. A calibrated plan's thresholds on projection inputs (any
 of q, k, v, o, gate, up, down) decide which weight rows a decode step reads. With the compiled
 module (`runtime.kernels`) a decode step is one call that runs every layer and reads only the
 rows of kept activations; without it, one Python loop over the layers with a PyTorch row
 gather. A prefill is the masked dense product, as the hooks compute it. Signals are recorded
-as the hooks record them, summed per layer and handed to the recorder once per step. Gemma 3
-(scaled embeddings, extra norms, GELU, sliding-window layers) is not covered: the engine says
-so at start and serves it on the reference path."""
+as the hooks record them, summed per layer and handed to the recorder once per step. Another
+family (or logit soft-capping) is refused: the engine says so at start and serves it on the
+reference path."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -19,7 +21,18 @@ from torch.nn import functional as F
 
 from sparse_engine.model.arch import UnsupportedModelError
 from sparse_engine.model.loader import LoadedModel
-from sparse_engine.runtime.fast_weights import DTYPES, Matrix, extract_layer, matrices
+from sparse_engine.runtime.fast_weights import (
+    ACTIVATIONS,
+    DTYPES,
+    GEMMA,
+    LLAMA_LIKE,
+    Family,
+    LayerWeights,
+    Matrix,
+    extract_layer,
+    matrices,
+    norm_weight,
+)
 from sparse_engine.runtime.kernels import torch_rows_matvec
 from sparse_engine.sparsity import signals
 from sparse_engine.sparsity.plan import SparsityPlan
@@ -52,14 +65,23 @@ class FastDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.eps = cfg.rms_norm_eps
         self.max_len = max_len
-        self.layers = [extract_layer(layer, DTYPES[dtype]) for layer in model.model.layers]
+        self.family = Family.of(cfg)
+        types = _layer_types(model)
+        tables = sorted(set(types))
+        self.layers = [
+            extract_layer(
+                layer, DTYPES[dtype], self.family, _window(cfg, kind), tables.index(kind)
+            )
+            for layer, kind in zip(model.model.layers, types, strict=True)
+        ]
         self.embed = model.model.embed_tokens.weight.detach()
-        self.norm = model.model.norm.weight.detach()
+        self.norm = norm_weight(model.model.norm, self.family.norm_offset)
         self.head = Matrix.of({"head": model.lm_head}, DTYPES[dtype])
         self.device = self.embed.device  # the PyTorch fallback runs wherever the model is
-        positions = torch.arange(max_len, device=self.device)[None]
-        cos, sin = model.model.rotary_emb(self.embed[:1][None], positions)
-        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()  # (max_len, head_dim)
+        # Rotary tables, one per layer type: (max_len, tables, head_dim).
+        cos, sin = zip(*(_rotary(model, kind, max_len) for kind in tables), strict=True)
+        self.cos = torch.stack(cos, 1).contiguous()
+        self.sin = torch.stack(sin, 1).contiguous()
         shape = (len(self.layers), self.kv_heads, max_len, self.head_dim)
         self.keys = torch.zeros(shape, dtype=self.embed.dtype, device=self.device)
         self.values = torch.zeros(shape, dtype=self.embed.dtype, device=self.device)
@@ -77,10 +99,13 @@ class FastDecoder:
         if native is not None:
             if self.device.type != "cpu":
                 raise ValueError("the compiled kernels run on the CPU; pass native=None")
-            self._layers = native.Layers(self.heads, self.kv_heads, self.head_dim, self.eps)
+            gelu = self.family.activation != "silu"
+            self._layers = native.Layers(
+                self.heads, self.kv_heads, self.head_dim, self.eps, self.family.attn_scale, gelu
+            )
             for layer in self.layers:
                 mats = [native.Matrix(m.rows, m.scale, m.bias) for m in matrices(layer)]
-                self._layers.add(layer.attn_norm, layer.mlp_norm, mats)
+                self._layers.add(_norms(layer), mats, layer.window, layer.rope)
 
     @property
     def read_share(self) -> float:
@@ -117,7 +142,7 @@ class FastDecoder:
         if pos >= self.max_len:
             raise ValueError(f"the sequence would exceed the fast path's {self.max_len} tokens")
         limits = self._thresholds(plan)
-        x = self.embed[token].clone()
+        x = self._embed(torch.tensor([token]))[0]
         self._layers.step(
             x, self.keys, self.values, self.cos[pos], self.sin[pos], pos, limits,
             self.channels, self.counts,
@@ -130,7 +155,7 @@ class FastDecoder:
             recorder.begin_step()
             recorder.observe_layers(self.counts[:, :4], self.channels, 1)
             recorder.end_step()
-        h = F.rms_norm(x, self.norm.shape, self.norm, self.eps)
+        h = self._norm(x, self.norm)
         logits: torch.Tensor = self.kernel(h, self.head.rows, self.head.scale, -1.0)[0]
         return logits
 
@@ -161,26 +186,38 @@ class FastDecoder:
             raise ValueError(f"the sequence would exceed the fast path's {self.max_len} tokens")
         self._check(plan)
         counts = LayerCounts.empty(len(self.layers)) if recorder is not None else None
-        x = self.embed[ids]
+        x = self._embed(ids)
         for i, layer in enumerate(self.layers):
             limits = {role: t[i] for role, t in plan.thresholds.items()}
-            h = F.rms_norm(x, layer.attn_norm.shape, layer.attn_norm, self.eps)
+            h = self._norm(x, layer.attn_norm)
             attn = self._attention(i, self._project(i, layer.qkv, h, limits, counts), start)
-            x = x + self._project(i, layer.o, attn, limits, counts)
-            h = F.rms_norm(x, layer.mlp_norm.shape, layer.mlp_norm, self.eps)
+            x = x + self._norm(self._project(i, layer.o, attn, limits, counts), layer.post_attn_norm)
+            h = self._norm(x, layer.mlp_norm)
             gate, up = self._project(i, layer.gate_up, h, limits, counts).chunk(2, dim=-1)
-            a = F.silu(gate) * up
+            a = self._activation(gate) * up
             if recorder is not None:
                 torch.sum(a.abs(), 0, out=self.channels[i])
-            x = x + self._project(i, layer.down, a, limits, counts)
+            x = x + self._norm(self._project(i, layer.down, a, limits, counts), layer.post_mlp_norm)
         self.length = start + n
         self.tokens.extend(ids.tolist())
         if recorder is not None and counts is not None:
             recorder.begin_step()
             recorder.observe_layers(counts.tensor(), self.channels, n)
             recorder.end_step()
-        h = F.rms_norm(x[-1:], self.norm.shape, self.norm, self.eps)
+        h = self._norm(x[-1:], self.norm)
         return self._project(-1, self.head, h, {}, None)[0]
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed[ids.to(self.device)]
+        return x * self.family.embed_scale if self.family.embed_scale != 1.0 else x.clone()
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        return x if weight is None else F.rms_norm(x, weight.shape, weight, self.eps)
+
+    def _activation(self, gate: torch.Tensor) -> torch.Tensor:
+        if self.family.activation == "silu":
+            return F.silu(gate)
+        return F.gelu(gate, approximate="tanh")
 
     def _project(
         self,
@@ -239,20 +276,25 @@ class FastDecoder:
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 
     def _attention(self, i: int, qkv: torch.Tensor, start: int) -> torch.Tensor:
-        n, hd = qkv.shape[0], self.head_dim
+        n, hd, layer = qkv.shape[0], self.head_dim, self.layers[i]
         widths = [self.heads * hd, self.kv_heads * hd, self.kv_heads * hd]
         q, k, v = torch.split(qkv, widths, dim=-1)
-        cos, sin = self.cos[start : start + n], self.sin[start : start + n]
-        q = _rope(q.view(n, self.heads, hd).transpose(0, 1), cos, sin)
-        k = _rope(k.view(n, self.kv_heads, hd).transpose(0, 1), cos, sin)
+        cos = self.cos[start : start + n, layer.rope]
+        sin = self.sin[start : start + n, layer.rope]
+        q = self._norm(q.view(n, self.heads, hd), layer.q_norm)
+        k = self._norm(k.view(n, self.kv_heads, hd), layer.k_norm)
+        q = _rope(q.transpose(0, 1), cos, sin)
+        k = _rope(k.transpose(0, 1), cos, sin)
         end = start + n
         self.keys[i, :, start:end] = k
         self.values[i, :, start:end] = v.view(n, self.kv_heads, hd).transpose(0, 1)
+        mask = _visible(n, end, layer.window, self.device)
         out = F.scaled_dot_product_attention(
             q[None],
             self.keys[i, :, :end][None],
             self.values[i, :, :end][None],
-            attn_mask=_causal(n, end, self.device) if n > 1 else None,
+            attn_mask=mask,
+            scale=self.family.attn_scale,
             enable_gqa=True,
         )
         return out[0].transpose(0, 1).reshape(n, self.heads * hd)
@@ -261,13 +303,51 @@ class FastDecoder:
 def unsupported_reason(lm: LoadedModel) -> str | None:
     """Why the fast path cannot run this model's family, or None (checked before any weight
     is copied; a layer the path cannot run is refused when the weights are taken out)."""
-    model_type = getattr(lm.model.config, "model_type", "")
-    if model_type in ("llama", "mistral", "qwen2"):
-        return None
-    return (
-        f"the fast path supports Llama-family decoders, not {model_type!r}; "
-        "the reference path serves it"
-    )
+    cfg = lm.model.config
+    model_type = getattr(cfg, "model_type", "")
+    if model_type not in LLAMA_LIKE + GEMMA:
+        return (
+            f"the fast path supports Llama-family and Gemma 3 decoders, not {model_type!r}; "
+            "the reference path serves it"
+        )
+    activation = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
+    if activation not in ACTIVATIONS:
+        return f"the fast path's MLP runs {' or '.join(ACTIVATIONS)}, not {activation!r}"
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(cfg, cap, None) is not None:
+            return f"the fast path does not soft-cap logits ({cap} is set)"
+    return None
+
+
+def _norms(layer: LayerWeights) -> list[torch.Tensor]:
+    """The compiled layer's norms in its order; an empty tensor where the family has none."""
+    none = torch.empty(0)
+    optional = (layer.post_attn_norm, layer.post_mlp_norm, layer.q_norm, layer.k_norm)
+    return [layer.attn_norm, layer.mlp_norm, *(none if w is None else w for w in optional)]
+
+
+def _layer_types(model: Any) -> list[str]:
+    """Each layer's attention type; one type when the model's rotary table has no per-type
+    variant (Llama, Qwen2: its sliding layers rotate as the others do)."""
+    cfg = model.config
+    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
+    if "layer_type" not in inspect.signature(model.model.rotary_emb.forward).parameters:
+        return types if "sliding_attention" in types else ["full_attention"] * len(types)
+    return types
+
+
+def _window(cfg: Any, kind: str) -> int:
+    return int(cfg.sliding_window) if kind == "sliding_attention" and cfg.sliding_window else 0
+
+
+def _rotary(model: Any, kind: str, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (max_len, head_dim) of the rotary table layers of `kind` use."""
+    rotary = model.model.rotary_emb
+    x = model.model.embed_tokens.weight[:1][None]
+    positions = torch.arange(max_len, device=x.device)[None]
+    takes_type = "layer_type" in inspect.signature(rotary.forward).parameters
+    cos, sin = rotary(x, positions, kind) if takes_type else rotary(x, positions)
+    return cos[0], sin[0]
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -276,6 +356,12 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotated * sin
 
 
-def _causal(n: int, end: int, device: torch.device) -> torch.Tensor:
-    """Boolean mask for n new positions ending at `end`: each sees the cache and itself."""
-    return torch.ones(n, end, dtype=torch.bool, device=device).tril(diagonal=end - n)
+def _visible(n: int, end: int, window: int, device: torch.device) -> torch.Tensor | None:
+    """Boolean mask for n new positions ending at `end`: each sees the cache and itself, or
+    only the last `window` positions up to itself; None when every position is visible."""
+    if n == 1 and (window == 0 or end <= window):
+        return None
+    query = torch.arange(end - n, end, device=device)[:, None]
+    key = torch.arange(end, device=device)[None]
+    seen = key <= query
+    return seen & (key > query - window) if window else seen

@@ -10,7 +10,6 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -232,24 +231,49 @@ void rope(float* v, const float* cos, const float* sin, int64_t dim) {
   }
 }
 
+// GELU with the tanh approximation, as PyTorch's gelu(approximate="tanh").
+inline float gelu_tanh(float x) {
+  constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;
+  return 0.5f * x * (1.0f + std::tanh(kBeta * (x + kKappa * x * x * x)));
+}
+
 // Roles, in the order of a layer's thresholds and statistics.
 enum Role { kQ, kK, kV, kO, kGate, kUp, kDown, kRoles };
+// Norms, in the order `add` takes them; the last four are empty where the family has none.
+enum Norm { kAttnNorm, kMlpNorm, kPostAttnNorm, kPostMlpNorm, kQNorm, kKNorm, kNorms };
 
-// The decoder layers at batch 1: one call runs every layer for one token.
+// The decoder layers at batch 1: one call runs every layer for one token. Llama's shape
+// (pre-norms, SwiGLU) and Gemma 3's (norms after each block too, q/k norms, GELU-tanh,
+// sliding-window layers, a rotary table per layer type) are one code path.
 class Layers {
  public:
-  Layers(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
-      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps) {}
+  Layers(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double attn_scale,
+         bool gelu)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps),
+        attn_scale_(static_cast<float>(attn_scale)), gelu_(gelu) {}
 
-  void add(torch::Tensor attn_norm, torch::Tensor mlp_norm, std::vector<Matrix> mats) {
+  // norms: attention and MLP input norms, then the optional post-attention, post-MLP, q and k
+  // norms (empty when absent). window: positions a query sees (0 = all). rope: its row of the
+  // rotary tables passed to `step`.
+  void add(std::vector<torch::Tensor> norms, std::vector<Matrix> mats, int64_t window,
+           int64_t rope) {
     TORCH_CHECK(mats.size() == 4, "a layer has four matrices: qkv, o, gate_up, down");
-    norms_.push_back({attn_norm.contiguous(), mlp_norm.contiguous()});
+    TORCH_CHECK(norms.size() == kNorms, "a layer has six norms (empty where absent)");
+    for (auto& n : norms) {
+      TORCH_CHECK(n.scalar_type() == torch::kFloat32, "norm weights are float32");
+      n = n.contiguous();
+    }
+    TORCH_CHECK(norms[kQNorm].numel() == 0 || norms[kQNorm].numel() == head_dim_,
+                "q and k norms have one weight per head dimension");
+    norms_.push_back(std::move(norms));
     mats_.push_back(std::move(mats));
+    windows_.push_back(window);
+    ropes_.push_back(rope);
   }
 
   // x (hidden,): the token's embedding, replaced by the last layer's output. keys, values
-  // (layers, kv_heads, max_len, head_dim): the cache, written at `pos`. cos, sin (head_dim,):
-  // the rotary table at `pos`. thresholds (layers, 7) float64, negative = dense. channels
+  // (layers, kv_heads, max_len, head_dim): the cache, written at `pos`. cos, sin (tables,
+  // head_dim): the rotary tables at `pos`. thresholds (layers, 7) float64, negative = dense. channels
   // (layers, intermediate): |down input| out. counts (layers, 5) float64 out, per layer: over
   // the sparsified roles' inputs, as the hooks count them, zeroed and total activations, the
   // kept share of |x| summed over them, and their number; then the weights read.
@@ -260,6 +284,9 @@ class Layers {
     const int64_t hidden = x.numel(), inter = channels.size(1), max_len = keys.size(2);
     const int64_t q_width = heads_ * head_dim_, kv_width = kv_heads_ * head_dim_;
     TORCH_CHECK(pos < max_len, "the cache is full");
+    TORCH_CHECK(cos.dim() == 2 && cos.size(1) == head_dim_ && cos.is_contiguous() &&
+                    sin.sizes() == cos.sizes() && sin.is_contiguous(),
+                "cos and sin are contiguous (tables, head_dim)");
     TORCH_CHECK(thresholds.scalar_type() == torch::kFloat64 &&
                     counts.scalar_type() == torch::kFloat64 && counts.size(1) == 5,
                 "thresholds and counts (layers, 5) are float64");
@@ -284,7 +311,8 @@ class Layers {
         c[2] += got.total_abs > 0 ? got.kept_abs / got.total_abs : 1.0;
         c[3] += 1.0;
       };
-      rms_norm(xs, norms_[l][0].data_ptr<float>(), hidden, eps_, h.data());
+      const auto& norm = norms_[l];
+      rms_norm(xs, norm[kAttnNorm].data_ptr<float>(), hidden, eps_, h.data());
       if (t[kQ] == t[kK] && t[kK] == t[kV]) {
         const Stats got = m[0].product(h.data(), t[kQ], 0, q_width + 2 * kv_width, qkv.data());
         record(kQ, got), record(kK, got), record(kV, got);
@@ -294,12 +322,13 @@ class Layers {
         record(kV, m[0].product(h.data(), t[kV], q_width + kv_width, q_width + 2 * kv_width,
                                 qkv.data() + q_width + kv_width));
       }
-      attend(qkv.data(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+      const int64_t table = ropes_[l] * head_dim_;
+      attend(l, qkv.data(), cos.data_ptr<float>() + table, sin.data_ptr<float>() + table,
              keys.data_ptr<float>() + l * kv_heads_ * max_len * head_dim_,
              values.data_ptr<float>() + l * kv_heads_ * max_len * head_dim_, max_len, pos, att.data());
       record(kO, m[1].product(att.data(), t[kO], 0, hidden, y.data()));
-      for (int64_t i = 0; i < hidden; ++i) xs[i] += y[i];
-      rms_norm(xs, norms_[l][1].data_ptr<float>(), hidden, eps_, h.data());
+      residual(norm[kPostAttnNorm], y.data(), xs, hidden);
+      rms_norm(xs, norm[kMlpNorm].data_ptr<float>(), hidden, eps_, h.data());
       if (t[kGate] == t[kUp]) {
         const Stats got = m[2].product(h.data(), t[kGate], 0, 2 * inter, gate_up.data());
         record(kGate, got), record(kUp, got);
@@ -310,49 +339,65 @@ class Layers {
       float* ch = channels.data_ptr<float>() + l * inter;
       for (int64_t j = 0; j < inter; ++j) {
         const float g = gate_up[j];
-        a[j] = g / (1.0f + std::exp(-g)) * gate_up[inter + j];
+        a[j] = (gelu_ ? gelu_tanh(g) : g / (1.0f + std::exp(-g))) * gate_up[inter + j];
         ch[j] = std::abs(a[j]);
       }
       record(kDown, m[3].product(a.data(), t[kDown], 0, hidden, y.data()));
-      for (int64_t i = 0; i < hidden; ++i) xs[i] += y[i];
+      residual(norm[kPostMlpNorm], y.data(), xs, hidden);
     }
   }
 
  private:
-  // One query against the cache: rotate q and k, store k and v at `pos`, softmax-weighted sum
-  // of the values of positions 0..pos, for each head (grouped-query heads share a kv head).
-  void attend(float* qkv, const float* cos, const float* sin, float* keys, float* values,
-              int64_t max_len, int64_t pos, float* out) const {
+  // x += y, normalised first where the family normalises a block's output.
+  void residual(const torch::Tensor& post_norm, float* y, float* x, int64_t n) const {
+    if (post_norm.numel() > 0) rms_norm(y, post_norm.data_ptr<float>(), n, eps_, y);
+    for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+  }
+
+  // A head normalised in place, where the family has per-head norms.
+  void head_norm(const torch::Tensor& weight, float* v) const {
+    if (weight.numel() > 0) rms_norm(v, weight.data_ptr<float>(), head_dim_, eps_, v);
+  }
+
+  // One query against the cache: normalise (where the family does) and rotate q and k, store
+  // k and v at `pos`, softmax-weighted sum of the values of the positions the layer sees
+  // (0..pos, or the window ending at pos), for each head (grouped-query heads share a kv head).
+  void attend(int64_t l, float* qkv, const float* cos, const float* sin, float* keys,
+              float* values, int64_t max_len, int64_t pos, float* out) const {
     const int64_t d = head_dim_, group = heads_ / kv_heads_;
+    const auto& norm = norms_[l];
+    const int64_t first = windows_[l] > 0 ? std::max<int64_t>(0, pos - windows_[l] + 1) : 0;
     float* q = qkv;
     const float* k = qkv + heads_ * d;
     const float* v = k + kv_heads_ * d;
     for (int64_t g = 0; g < kv_heads_; ++g) {
       float* key = keys + (g * max_len + pos) * d;
       std::copy(k + g * d, k + (g + 1) * d, key);
+      head_norm(norm[kKNorm], key);
       rope(key, cos, sin, d);
       std::copy(v + g * d, v + (g + 1) * d, values + (g * max_len + pos) * d);
     }
-    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-    at::parallel_for(0, heads_, pos < 256 ? heads_ : 1, [&](int64_t h0, int64_t h1) {
+    const float scale = attn_scale_;
+    at::parallel_for(0, heads_, pos - first < 256 ? heads_ : 1, [&](int64_t h0, int64_t h1) {
       std::vector<float> scores(pos + 1);
       for (int64_t head = h0; head < h1; ++head) {
         float* qh = q + head * d;
+        head_norm(norm[kQNorm], qh);
         rope(qh, cos, sin, d);
         const float* kh = keys + (head / group) * max_len * d;
         const float* vh = values + (head / group) * max_len * d;
         float top = -INFINITY;
-        for (int64_t t = 0; t <= pos; ++t) {
+        for (int64_t t = first; t <= pos; ++t) {
           float dot = 0.0f;
           for (int64_t j = 0; j < d; ++j) dot += qh[j] * kh[t * d + j];
           scores[t] = dot * scale;
           top = std::max(top, scores[t]);
         }
         double total = 0.0;
-        for (int64_t t = 0; t <= pos; ++t) total += scores[t] = std::exp(scores[t] - top);
+        for (int64_t t = first; t <= pos; ++t) total += scores[t] = std::exp(scores[t] - top);
         float* oh = out + head * d;
         std::fill(oh, oh + d, 0.0f);
-        for (int64_t t = 0; t <= pos; ++t) {
+        for (int64_t t = first; t <= pos; ++t) {
           const float p = static_cast<float>(scores[t] / total);
           for (int64_t j = 0; j < d; ++j) oh[j] += p * vh[t * d + j];
         }
@@ -362,8 +407,11 @@ class Layers {
 
   int64_t heads_, kv_heads_, head_dim_;
   double eps_;
-  std::vector<std::array<torch::Tensor, 2>> norms_;
+  float attn_scale_;
+  bool gelu_;
+  std::vector<std::vector<torch::Tensor>> norms_;
   std::vector<std::vector<Matrix>> mats_;
+  std::vector<int64_t> windows_, ropes_;
 };
 
 }  // namespace
@@ -375,7 +423,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("weights"), pybind11::arg("scale"),
            pybind11::arg("bias") = pybind11::none());
   pybind11::class_<Layers>(m, "Layers")
-      .def(pybind11::init<int64_t, int64_t, int64_t, double>())
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, bool>())
       .def("add", &Layers::add)
       .def("step", &Layers::step);
   m.def("rows_matvec", &rows_matvec, "y = sum of x_i * w[i] over |x_i| > threshold",
