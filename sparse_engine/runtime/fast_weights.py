@@ -111,7 +111,8 @@ def matrices(layer: LayerWeights) -> tuple[Matrix, Matrix, Matrix, Matrix]:
 
 
 def norm_weight(module: Any, offset: float) -> torch.Tensor:
-    return (module.weight.detach().float() + offset).contiguous()
+    weight: torch.Tensor = module.weight.detach().float()
+    return (weight + offset).contiguous()
 
 
 def extract_layer(

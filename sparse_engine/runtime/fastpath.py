@@ -1,15 +1,15 @@
 """A lean decode path for Llama-family decoders (Llama, Mistral, Qwen2 with its q/k/v
 biases) and Gemma 3 (scaled embeddings, `1 + w` norms, q/k norms, norms after each block,
-GELU-tanh, sliding-window layers with their own rotary base). The weights are taken out of the Hugging Face model once, stored input-major (row i
-of a projection is what its input i adds) in float32, bfloat16 or int8, with q/k/v and gate/up
-fused; the KV cache is preallocated. A calibrated plan's thresholds on projection inputs (any
-of q, k, v, o, gate, up, down) decide which weight rows a decode step reads. With the compiled
-module (`runtime.kernels`) a decode step is one call that runs every layer and reads only the
-rows of kept activations; without it, one Python loop over the layers with a PyTorch row
-gather. A prefill is the masked dense product, as the hooks compute it. Signals are recorded
-as the hooks record them, summed per layer and handed to the recorder once per step. Another
-family (or logit soft-capping) is refused: the engine says so at start and serves it on the
-reference path."""
+GELU-tanh, sliding-window layers with their own rotary base). The weights are taken out of the
+Hugging Face model once, stored input-major (row i of a projection is what its input i adds)
+in float32, bfloat16 or int8, with q/k/v and gate/up fused; the KV cache is preallocated. A
+calibrated plan's thresholds on projection inputs (any of q, k, v, o, gate, up, down) decide
+which weight rows a decode step reads. With the compiled module (`runtime.kernels`) a decode
+step is one call that runs every layer and reads only the rows of kept activations; without
+it, one Python loop over the layers with a PyTorch row gather. A prefill is the masked dense
+product, as the hooks compute it. Signals are recorded as the hooks record them, summed per
+layer and handed to the recorder once per step. Another family (or logit soft-capping) is
+refused: the engine says so at start and serves it on the reference path."""
 
 from __future__ import annotations
 
@@ -69,9 +69,7 @@ class FastDecoder:
         types = _layer_types(model)
         tables = sorted(set(types))
         self.layers = [
-            extract_layer(
-                layer, DTYPES[dtype], self.family, _window(cfg, kind), tables.index(kind)
-            )
+            extract_layer(layer, DTYPES[dtype], self.family, _window(cfg, kind), tables.index(kind))
             for layer, kind in zip(model.model.layers, types, strict=True)
         ]
         self.embed = model.model.embed_tokens.weight.detach()
@@ -191,13 +189,15 @@ class FastDecoder:
             limits = {role: t[i] for role, t in plan.thresholds.items()}
             h = self._norm(x, layer.attn_norm)
             attn = self._attention(i, self._project(i, layer.qkv, h, limits, counts), start)
-            x = x + self._norm(self._project(i, layer.o, attn, limits, counts), layer.post_attn_norm)
+            o = self._project(i, layer.o, attn, limits, counts)
+            x = x + self._norm(o, layer.post_attn_norm)
             h = self._norm(x, layer.mlp_norm)
             gate, up = self._project(i, layer.gate_up, h, limits, counts).chunk(2, dim=-1)
             a = self._activation(gate) * up
             if recorder is not None:
                 torch.sum(a.abs(), 0, out=self.channels[i])
-            x = x + self._norm(self._project(i, layer.down, a, limits, counts), layer.post_mlp_norm)
+            down = self._project(i, layer.down, a, limits, counts)
+            x = x + self._norm(down, layer.post_mlp_norm)
         self.length = start + n
         self.tokens.extend(ids.tolist())
         if recorder is not None and counts is not None:
@@ -208,7 +208,7 @@ class FastDecoder:
         return self._project(-1, self.head, h, {}, None)[0]
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed[ids.to(self.device)]
+        x: torch.Tensor = self.embed[ids.to(self.device)]
         return x * self.family.embed_scale if self.family.embed_scale != 1.0 else x.clone()
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:

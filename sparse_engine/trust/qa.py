@@ -1,6 +1,9 @@
-"""Question answering with a passage: items from HaluEval or a plain JSONL file, the prompt the
-model answers, and scoring of an answer against the gold answers (normalised containment and
-token F1, as in SQuAD's evaluation)."""
+"""Question answering with a passage: items from a packaged QA set (`data.qa_sets`: HaluEval,
+CoQA, SQuADShifts reddit and amazon) or a plain JSONL file, the prompt the model answers, and
+grading of an answer against the gold answers: normalised exact match, containment and token F1
+as in SQuAD's evaluation, alias-aware. Before comparing, words are reduced to a light stem and
+number words to digits, so "fascist" matches "Fascism", "fifty" matches "50" and "1,000"
+matches "1000"."""
 
 from __future__ import annotations
 
@@ -11,13 +14,25 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from sparse_engine.data.corpora import halueval_items
+from sparse_engine.data.qa_sets import QA_SETS, QAItem, qa_items
 from sparse_engine.runtime.generation import Message
+
+__all__ = ["HALUEVAL", "Grade", "QADataError", "QAItem", "grade", "load_qa", "qa_messages"]
 
 HALUEVAL = "halueval"
 F1_CORRECT = 0.5  # an answer with token F1 at or above this counts as right
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
+_UNITS = (
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+    "fifteen sixteen seventeen eighteen nineteen twenty"
+)
+_TENS = "thirty forty fifty sixty seventy eighty ninety"
+_NUMBER_WORDS = {w: str(v) for v, w in enumerate(_UNITS.split())} | {
+    w: str(10 * v) for v, w in enumerate(_TENS.split(), 3)
+}
+# Longest first; a suffix comes off only when three letters stay (so "is", "gas" keep theirs).
+_SUFFIXES = ("isms", "ists", "ians", "ism", "ist", "ian", "ing", "ies", "es", "ed", "s")
 
 
 class QADataError(ValueError):
@@ -25,30 +40,26 @@ class QADataError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
-class QAItem:
-    question: str
-    answers: tuple[str, ...]
-    context: str = ""
-
-
-@dataclass(frozen=True, slots=True)
 class Grade:
     contains: bool
     f1: float
+    exact: bool = False
 
     @property
     def correct(self) -> bool:
-        return self.contains or self.f1 >= F1_CORRECT
+        return self.exact or self.contains or self.f1 >= F1_CORRECT
 
 
 def load_qa(spec: str, home: Path) -> list[QAItem]:
-    """`halueval`, or a JSONL file with `question`, `answer` or `answers` (a list of
-    acceptable answers), and optionally `context` (or `knowledge`)."""
-    if spec == HALUEVAL:
-        return [QAItem(i.question, (i.right_answer,), i.knowledge) for i in halueval_items(home)]
+    """A packaged QA set by name, or a JSONL file with `question`, `answer` or `answers` (a list
+    of acceptable answers), and optionally `context` (or `knowledge`)."""
+    if spec in QA_SETS:
+        return qa_items(spec, home)
     path = Path(spec)
     if not path.is_file():
-        raise QADataError(f"no QA data {spec!r}: give 'halueval' or a JSONL file path")
+        raise QADataError(
+            f"no QA data {spec!r}: give one of {', '.join(QA_SETS)} or a JSONL file path"
+        )
     return [_item(row, num, path) for num, row in _rows(path)]
 
 
@@ -65,8 +76,20 @@ def normalise_answer(text: str) -> str:
     return " ".join(text.split())
 
 
+def answer_terms(text: str) -> list[str]:
+    """The normalised words, number words as digits, each cut to a light stem."""
+    return [_stem(_NUMBER_WORDS.get(w, w)) for w in normalise_answer(text).split()]
+
+
+def _stem(word: str) -> str:
+    for suffix in _SUFFIXES:
+        if word.endswith(suffix) and len(word) - len(suffix) >= 3:
+            return word[: -len(suffix)]
+    return word
+
+
 def token_f1(answer: str, gold: str) -> float:
-    predicted, truth = normalise_answer(answer).split(), normalise_answer(gold).split()
+    predicted, truth = answer_terms(answer), answer_terms(gold)
     common = sum((Counter(predicted) & Counter(truth)).values())
     if not common:
         return 0.0
@@ -75,10 +98,19 @@ def token_f1(answer: str, gold: str) -> float:
 
 
 def grade(answer: str, golds: tuple[str, ...]) -> Grade:
-    """The best containment and F1 over the acceptable answers."""
-    said = f" {normalise_answer(answer)} "
-    contains = any(g and f" {g} " in said for g in map(normalise_answer, golds))
-    return Grade(contains, max((token_f1(answer, g) for g in golds), default=0.0))
+    """The best exact match, containment and F1 over the acceptable answers."""
+    said = answer_terms(answer)
+    truths = [t for t in map(answer_terms, golds) if t]
+    return Grade(
+        contains=any(_contains(said, t) for t in truths),
+        f1=max((token_f1(answer, g) for g in golds), default=0.0),
+        exact=any(said == t for t in truths),
+    )
+
+
+def _contains(said: list[str], gold: list[str]) -> bool:
+    n = len(gold)
+    return any(said[i : i + n] == gold for i in range(len(said) - n + 1))
 
 
 def _rows(path: Path) -> list[tuple[int, object]]:
