@@ -20,7 +20,7 @@ DEFAULT_ACT_ON = ("silence-spike", "low-score")
 class EngineSettings(BaseModel):
     model: str = DEFAULT_MODEL
     default_level: str = "balanced"
-    calibration_corpus: str = "wiki"
+    calibration_corpus: str = "wiki+c4"  # one source calibrated over-sparsifies on others (README)
     calibration_samples: int = Field(100, ge=1)
     heldout_tokens: int = Field(4096, ge=64)
     seq_len: int = Field(256, ge=16)

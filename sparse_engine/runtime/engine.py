@@ -23,13 +23,14 @@ from sparse_engine.runtime.prefix_cache import CacheKey, PrefixCache
 from sparse_engine.runtime.sampling import TokenConfidence, eos_ids, sample_next
 from sparse_engine.runtime.textstream import TextStream
 from sparse_engine.sparsity import signals
-from sparse_engine.sparsity.hooks import sparsified
+from sparse_engine.sparsity.hooks import read_out, sparsified
 from sparse_engine.sparsity.masking import ChannelMask, masked
 from sparse_engine.sparsity.plan import (
     CalibrationNotFoundError,
     Level,
     SparsityPlan,
 )
+from sparse_engine.sparsity.readout import Readout
 from sparse_engine.sparsity.recorder import SignalRecorder
 
 __all__ = ["Engine", "Generation", "GenerationRequest", "GenerationStats", "Message"]
@@ -189,12 +190,16 @@ class Engine:
         finish = "length"
         started = time.perf_counter()
         fast = self._fast_for(plan, len(prompt_ids) + request.max_new_tokens)
+        readout = self._readout(len(prompt_ids)) if request.readout else None
         with (
             torch.inference_mode(),
             masked(self.lm.layers, self.mask),
             sparsified(self.lm.layers, plan, recorder) if fast is None else nullcontext(),
+            read_out(self.lm.model, self.lm.layers, readout)
+            if fast is None and readout is not None
+            else nullcontext(),
         ):
-            path, done = self._prefill(fast, request, plan, prompt_ids, recorder)
+            path, done = self._prefill(fast, request, plan, prompt_ids, recorder, readout)
             cached, mismatch = done.cached, done.mismatch
             token = -1
             for step in range(request.max_new_tokens):
@@ -202,9 +207,9 @@ class Engine:
                     logits = done.logits
                     first_token_at = time.perf_counter()
                 elif isinstance(path, ReferenceKV):
-                    logits = self._forward(torch.tensor([[token]]), path.cache, recorder)
+                    logits = path.forward([token])
                 else:
-                    logits = path.fast.step(token, plan, recorder)
+                    logits = path.step(token)
                 if request.measure_drift and not plan.is_dense:
                     kept_logits.append(logits.float())
                 token = sample_next(logits, request.temperature, request.top_p, generator)
@@ -249,7 +254,13 @@ class Engine:
             token_ids=generated,
             token_logprobs=confidence.logprobs,
             token_entropies=confidence.entropies,
+            readout=readout.result() if readout is not None else None,
         )
+
+    def _readout(self, prompt_len: int, limit: int | None = None) -> Readout:
+        cfg = self.lm.model.config
+        width = int(cfg.hidden_size)
+        return Readout(self.lm.num_layers, int(cfg.num_attention_heads), width, prompt_len, limit)
 
     def _fast_for(self, plan: SparsityPlan, tokens: int) -> FastDecoder | None:
         fast = self.fast
@@ -264,15 +275,16 @@ class Engine:
         plan: SparsityPlan,
         prompt_ids: list[int],
         recorder: SignalRecorder | None,
+        readout: Readout | None = None,
     ) -> tuple[FastKV | ReferenceKV, Prefilled]:
         """The prompt through the decode path, reusing a cached prefix where one applies."""
         key, reuse = self._cache_key(plan), request.use_prefix_cache
         path: FastKV | ReferenceKV
         if fast is None:
-            path = ReferenceKV(self, recorder)
+            path = ReferenceKV(self, recorder, readout)
             run = Prefill(path, self.prefix_cache if reuse else None, key, recorder).run
         else:
-            path = FastKV(fast, plan, recorder)
+            path = FastKV(fast, plan, recorder, readout)
             run = Prefill(path, self.fast_prefixes if reuse else None, key, recorder).run
         ends = self._prefix_ends(request, prompt_ids) if reuse else []
         with recorder.one_step() if recorder is not None else nullcontext():

@@ -36,6 +36,7 @@ from sparse_engine.runtime.fast_weights import (
 from sparse_engine.runtime.kernels import torch_rows_matvec
 from sparse_engine.sparsity import signals
 from sparse_engine.sparsity.plan import SparsityPlan
+from sparse_engine.sparsity.readout import Readout
 from sparse_engine.sparsity.recorder import LayerCounts, SignalRecorder
 
 ROLES = ("q", "k", "v", "o", "gate", "up", "down")
@@ -88,6 +89,11 @@ class FastDecoder:
             raise UnsupportedModelError("the fast path needs one MLP width in every layer")
         self.channels = torch.zeros(len(self.layers), widths.pop(), device=self.device)
         self.counts = torch.zeros(len(self.layers), 5, dtype=torch.float64)  # see Layers.step
+        # The trust readout of a step (see Layers.step), and the empty pair that turns it off.
+        width = self.embed.shape[1]
+        self.hidden_rows = torch.zeros(len(self.layers), width)
+        self.attention_rows = torch.zeros(len(self.layers), self.heads, 2, dtype=torch.float64)
+        self._unread = (torch.empty(0), torch.empty(0, dtype=torch.float64))
         self.dense_weights = float(sum(m.rows.numel() for m in matrices(self.layers[0])))
         self._limits: tuple[SparsityPlan, torch.Tensor] | None = None
         self.tokens: list[int] = []  # the sequence in the KV cache
@@ -126,25 +132,42 @@ class FastDecoder:
         )
 
     def prefill(
-        self, ids: list[int], plan: SparsityPlan, recorder: SignalRecorder | None = None
+        self,
+        ids: list[int],
+        plan: SparsityPlan,
+        recorder: SignalRecorder | None = None,
+        readout: Readout | None = None,
     ) -> torch.Tensor:
-        return self._forward(torch.tensor(ids, device=self.device), plan, recorder)
+        return self._forward(torch.tensor(ids, device=self.device), plan, recorder, readout)
 
     @torch.inference_mode()
     def step(
-        self, token: int, plan: SparsityPlan, recorder: SignalRecorder | None = None
+        self,
+        token: int,
+        plan: SparsityPlan,
+        recorder: SignalRecorder | None = None,
+        readout: Readout | None = None,
     ) -> torch.Tensor:
         if self.native is None:
-            return self._forward(torch.tensor([token], device=self.device), plan, recorder)
+            ids = torch.tensor([token], device=self.device)
+            return self._forward(ids, plan, recorder, readout)
         pos = self.length
         if pos >= self.max_len:
             raise ValueError(f"the sequence would exceed the fast path's {self.max_len} tokens")
         limits = self._thresholds(plan)
         x = self._embed(torch.tensor([token]))[0]
+        reading = readout is not None and readout.wants(pos, 1)
+        rows = (self.hidden_rows, self.attention_rows) if reading else self._unread
+        prompt_len = readout.prompt_len if readout is not None else 0
         self._layers.step(
             x, self.keys, self.values, self.cos[pos], self.sin[pos], pos, limits,
-            self.channels, self.counts,
+            self.channels, self.counts, *rows, prompt_len,
         )  # fmt: skip
+        if reading and readout is not None:
+            for i in range(len(self.layers)):
+                readout.observe_hidden(i, self.hidden_rows[i][None], pos)
+                on_prompt, entropy = self.attention_rows[i].T
+                readout.observe_stats(i, on_prompt[None], entropy[None])
         self.length = pos + 1
         self.tokens.append(token)
         self.weights_read += float(self.counts[:, 4].sum())
@@ -177,7 +200,11 @@ class FastDecoder:
 
     @torch.inference_mode()
     def _forward(
-        self, ids: torch.Tensor, plan: SparsityPlan, recorder: SignalRecorder | None
+        self,
+        ids: torch.Tensor,
+        plan: SparsityPlan,
+        recorder: SignalRecorder | None,
+        readout: Readout | None = None,
     ) -> torch.Tensor:
         start, n = self.length, ids.shape[0]
         if start + n > self.max_len:
@@ -188,7 +215,8 @@ class FastDecoder:
         for i, layer in enumerate(self.layers):
             limits = {role: t[i] for role, t in plan.thresholds.items()}
             h = self._norm(x, layer.attn_norm)
-            attn = self._attention(i, self._project(i, layer.qkv, h, limits, counts), start)
+            qkv = self._project(i, layer.qkv, h, limits, counts)
+            attn = self._attention(i, qkv, start, readout)
             o = self._project(i, layer.o, attn, limits, counts)
             x = x + self._norm(o, layer.post_attn_norm)
             h = self._norm(x, layer.mlp_norm)
@@ -198,6 +226,8 @@ class FastDecoder:
                 torch.sum(a.abs(), 0, out=self.channels[i])
             down = self._project(i, layer.down, a, limits, counts)
             x = x + self._norm(down, layer.post_mlp_norm)
+            if readout is not None and readout.wants(start, n):
+                readout.observe_hidden(i, x, start)
         self.length = start + n
         self.tokens.extend(ids.tolist())
         if recorder is not None and counts is not None:
@@ -275,7 +305,9 @@ class FastDecoder:
                     counts.add(i, x.numel(), int(kept.sum()), share, x.shape[0])
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 
-    def _attention(self, i: int, qkv: torch.Tensor, start: int) -> torch.Tensor:
+    def _attention(
+        self, i: int, qkv: torch.Tensor, start: int, readout: Readout | None = None
+    ) -> torch.Tensor:
         n, hd, layer = qkv.shape[0], self.head_dim, self.layers[i]
         widths = [self.heads * hd, self.kv_heads * hd, self.kv_heads * hd]
         q, k, v = torch.split(qkv, widths, dim=-1)
@@ -289,6 +321,11 @@ class FastDecoder:
         self.keys[i, :, start:end] = k
         self.values[i, :, start:end] = v.view(n, self.kv_heads, hd).transpose(0, 1)
         mask = _visible(n, end, layer.window, self.device)
+        if readout is not None and readout.wants(start, n):
+            skip = max(0, readout.prompt_len - 1 - start)  # the prompt's own queries
+            rows = mask[skip:] if mask is not None else None
+            probs = self._probabilities(i, q[:, skip:], end, rows)
+            readout.observe_attention(i, probs, start + skip)
         out = F.scaled_dot_product_attention(
             q[None],
             self.keys[i, :, :end][None],
@@ -298,6 +335,17 @@ class FastDecoder:
             enable_gqa=True,
         )
         return out[0].transpose(0, 1).reshape(n, self.heads * hd)
+
+    def _probabilities(
+        self, i: int, q: torch.Tensor, end: int, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Attention probabilities (heads, n, end) of the queries q (heads, n, head_dim), which
+        SDPA does not return; only for calls that hold an answer's queries."""
+        keys = self.keys[i, :, :end].repeat_interleave(self.heads // self.kv_heads, 0)
+        scores = (q @ keys.transpose(-1, -2)) * self.family.attn_scale
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return scores.softmax(-1)
 
 
 def unsupported_reason(lm: LoadedModel) -> str | None:

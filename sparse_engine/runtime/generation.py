@@ -6,6 +6,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from sparse_engine.sparsity.readout import AnswerReadout
 from sparse_engine.sparsity.recorder import SignalSummary
 
 Message = dict[str, str]
@@ -24,6 +25,7 @@ class GenerationRequest:
     collect_signals: bool = True
     ignore_eos: bool = False
     use_prefix_cache: bool = True
+    readout: bool = False  # the trust readout (sparsity.readout) of the answer
 
 
 @dataclass(slots=True)
@@ -47,6 +49,7 @@ class GenerationStats:
     # distribution it was drawn from (nats), under the level that produced it.
     token_logprobs: list[float] = field(default_factory=list)
     token_entropies: list[float] = field(default_factory=list)
+    readout: AnswerReadout | None = None
 
     @property
     def cache_hit_rate(self) -> float:

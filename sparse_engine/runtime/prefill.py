@@ -14,6 +14,7 @@ from transformers import DynamicCache
 from sparse_engine.runtime.fastpath import FastDecoder
 from sparse_engine.runtime.prefix_cache import CacheKey, PrefixCache, SparseCacheMismatchError
 from sparse_engine.sparsity.plan import SparsityPlan
+from sparse_engine.sparsity.readout import Readout
 from sparse_engine.sparsity.recorder import SignalRecorder
 
 KV = TypeVar("KV")
@@ -73,14 +74,21 @@ class Prefill(Generic[KV]):
 
 
 class ReferenceKV:
-    """The Hugging Face path: a DynamicCache, run through the engine's forward."""
+    """The Hugging Face path: a DynamicCache, run through the engine's forward. A readout's
+    hooks (`sparsity.hooks.read_out`) learn each call's first position from it."""
 
-    def __init__(self, engine: Any, recorder: SignalRecorder | None) -> None:
-        self.engine, self.recorder = engine, recorder
+    def __init__(
+        self, engine: Any, recorder: SignalRecorder | None, readout: Readout | None = None
+    ) -> None:
+        self.engine, self.recorder, self.readout = engine, recorder, readout
         self.cache = DynamicCache(config=engine.lm.model.config)
+        self.length = 0
 
     def forward(self, ids: list[int]) -> torch.Tensor:
+        if self.readout is not None:
+            self.readout.cursor = self.length
         logits: torch.Tensor = self.engine._forward(torch.tensor([ids]), self.cache, self.recorder)
+        self.length += len(ids)
         return logits
 
     def copy(self) -> DynamicCache:
@@ -88,6 +96,7 @@ class ReferenceKV:
 
     def restore(self, kv: DynamicCache, tokens: tuple[int, ...]) -> None:
         self.cache = copy.deepcopy(kv)
+        self.length = len(tokens)
 
 
 FastKVState = tuple[torch.Tensor, torch.Tensor]  # keys, values: (layers, kv heads, n, head dim)
@@ -96,12 +105,21 @@ FastKVState = tuple[torch.Tensor, torch.Tensor]  # keys, values: (layers, kv hea
 class FastKV:
     """The fast decoder's preallocated buffers."""
 
-    def __init__(self, fast: FastDecoder, plan: SparsityPlan, recorder: SignalRecorder | None):
-        self.fast, self.plan, self.recorder = fast, plan, recorder
+    def __init__(
+        self,
+        fast: FastDecoder,
+        plan: SparsityPlan,
+        recorder: SignalRecorder | None,
+        readout: Readout | None = None,
+    ):
+        self.fast, self.plan, self.recorder, self.readout = fast, plan, recorder, readout
         fast.reset()
 
     def forward(self, ids: list[int]) -> torch.Tensor:
-        return self.fast.prefill(ids, self.plan, self.recorder)
+        return self.fast.prefill(ids, self.plan, self.recorder, self.readout)
+
+    def step(self, token: int) -> torch.Tensor:
+        return self.fast.step(token, self.plan, self.recorder, self.readout)
 
     def copy(self) -> FastKVState:
         n = self.fast.length

@@ -4,13 +4,14 @@ sparse forward pass over prompt + answer, plus one dense pass when drift is want
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
 import torch
 
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.runtime.generation import GenerationStats, Message
 from sparse_engine.sparsity import signals
-from sparse_engine.sparsity.hooks import sparsified
+from sparse_engine.sparsity.hooks import read_out, sparsified
 from sparse_engine.sparsity.plan import Level, SparsityPlan
 from sparse_engine.sparsity.recorder import SignalRecorder
 
@@ -21,20 +22,39 @@ def score_answer(
     answer: str,
     level: Level | SparsityPlan,
     measure_drift: bool,
+    readout: bool = False,
 ) -> GenerationStats:
     """Signals of `answer` as if the engine had produced it at `level` (or under a pinned
     plan). Per-step sparsity is per answer position; activation stability is its variation
-    over those positions."""
+    over those positions. `readout`: also the trust readout, read off the same pass."""
+    answer_ids = engine.encode_text(answer)
+    return score_tokens(engine, messages, answer_ids, level, measure_drift, readout, answer)
+
+
+def score_tokens(
+    engine: Engine,
+    messages: list[Message],
+    answer_ids: list[int],
+    level: Level | SparsityPlan,
+    measure_drift: bool,
+    readout: bool = False,
+    text: str | None = None,
+) -> GenerationStats:
+    """`score_answer` of an answer given as token ids (`text`: its text, if known)."""
     plan = engine.plan(level)
     prompt_ids = engine.encode_messages(messages)
-    answer_ids = engine.encode_text(answer)
     engine.check_length(len(prompt_ids), max(len(answer_ids), 1))
     ids = torch.tensor([prompt_ids + answer_ids])
     recorder = SignalRecorder(engine.lm.num_layers, plan.silence_thresholds)
     recorder.track_positions(ids.shape[1])
     recorder.answer_start = len(prompt_ids)
+    reader = engine._readout(len(prompt_ids), ids.shape[1] - 1) if readout else None
     started = time.perf_counter()
-    with torch.inference_mode(), sparsified(engine.lm.layers, plan, recorder):
+    with (
+        torch.inference_mode(),
+        sparsified(engine.lm.layers, plan, recorder),
+        read_out(engine.lm.model, engine.lm.layers, reader) if reader else nullcontext(),
+    ):
         recorder.begin_step()
         sparse_logits = engine.lm.model(input_ids=ids).logits[0]
         recorder.end_step()
@@ -54,7 +74,7 @@ def score_answer(
             positions = sparse_logits[len(prompt_ids) - 1 : -1]
             drift = engine.semantic_drift(prompt_ids, answer_ids, positions)
     return GenerationStats(
-        text=answer,
+        text=engine.lm.tokenizer.decode(answer_ids) if text is None else text,
         level=plan.level.value,
         calibration_version=plan.calibration_version,
         prompt_tokens=len(prompt_ids),
@@ -71,4 +91,5 @@ def score_answer(
         token_ids=answer_ids,
         token_logprobs=chosen.tolist(),
         token_entropies=signals.entropy_nats(predicted).tolist(),
+        readout=reader.result() if reader is not None else None,
     )

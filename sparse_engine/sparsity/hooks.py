@@ -1,6 +1,7 @@
 """Sparsity as removable hooks: forward pre-hooks zero small inputs of linear projections
 (threshold sparsifier), forward hooks keep the Top-K dims of attention/MLP block outputs
-before the residual add. Leaving `sparsified(...)` removes every hook."""
+before the residual add. Leaving `sparsified(...)` removes every hook. `read_out(...)` reads
+the trust readout (`sparsity.readout`) off the same passes the same way."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch.utils.hooks import RemovableHandle
 
 from sparse_engine.model.arch import LayerParts
 from sparse_engine.sparsity.plan import SparsityPlan
+from sparse_engine.sparsity.readout import Readout
 from sparse_engine.sparsity.recorder import SignalRecorder
 
 
@@ -86,5 +88,48 @@ def _topk_hook(layer: int, k: int, recorder: SignalRecorder | None) -> Any:
         if recorder is not None:
             recorder.observe_sparsified(layer, magnitude, kept)
         return (h * kept, *output[1:]) if isinstance(output, tuple) else h * kept
+
+    return hook
+
+
+@contextmanager
+def read_out(model: nn.Module, layers: list[LayerParts], readout: Readout) -> Iterator[None]:
+    """Fill `readout` from the forward calls inside the block: each decoder layer's output and
+    each attention's probabilities. Attention runs eagerly meanwhile (SDPA returns no
+    probabilities); the hook reduces each layer's probabilities to the answer's queries at
+    once, so no more than one layer's are held. Set `readout.cursor` to the first row's
+    position before each call."""
+    previous = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    handles: list[RemovableHandle] = []
+    model.set_attn_implementation("eager")  # type: ignore[operator]
+    try:
+        for part in layers:
+            handles.append(
+                part.get("block").register_forward_hook(_hidden_hook(part.index, readout))
+            )
+            handles.append(
+                part.get("attn").register_forward_hook(_attention_hook(part.index, readout))
+            )
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.set_attn_implementation(previous)  # type: ignore[operator]
+
+
+def _hidden_hook(layer: int, readout: Readout) -> Any:
+    def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        h = output[0] if isinstance(output, tuple) else output
+        if readout.wants(readout.cursor, h.shape[-2]):
+            readout.observe_hidden(layer, h.reshape(-1, h.shape[-1]), readout.cursor)
+
+    return hook
+
+
+def _attention_hook(layer: int, readout: Readout) -> Any:
+    def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        probs = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+        if probs is not None and readout.wants(readout.cursor, probs.shape[-2]):
+            readout.observe_attention(layer, probs[0], readout.cursor)
 
     return hook

@@ -276,10 +276,14 @@ class Layers {
   // head_dim): the rotary tables at `pos`. thresholds (layers, 7) float64, negative = dense. channels
   // (layers, intermediate): |down input| out. counts (layers, 5) float64 out, per layer: over
   // the sparsified roles' inputs, as the hooks count them, zeroed and total activations, the
-  // kept share of |x| summed over them, and their number; then the weights read.
+  // kept share of |x| summed over them, and their number; then the weights read. The trust
+  // readout, where the tensors are not empty: hidden_out (layers, hidden) each layer's output,
+  // attn_out (layers, heads, 2) float64 each head's attention share on positions before
+  // `prompt_len` and its entropy.
   void step(torch::Tensor x, torch::Tensor keys, torch::Tensor values, const torch::Tensor& cos,
             const torch::Tensor& sin, int64_t pos, const torch::Tensor& thresholds,
-            torch::Tensor channels, torch::Tensor counts) {
+            torch::Tensor channels, torch::Tensor counts, torch::Tensor hidden_out,
+            torch::Tensor attn_out, int64_t prompt_len) {
     const int64_t layers = static_cast<int64_t>(mats_.size());
     const int64_t hidden = x.numel(), inter = channels.size(1), max_len = keys.size(2);
     const int64_t q_width = heads_ * head_dim_, kv_width = kv_heads_ * head_dim_;
@@ -290,6 +294,13 @@ class Layers {
     TORCH_CHECK(thresholds.scalar_type() == torch::kFloat64 &&
                     counts.scalar_type() == torch::kFloat64 && counts.size(1) == 5,
                 "thresholds and counts (layers, 5) are float64");
+    const bool read_hidden = hidden_out.numel() > 0, read_attention = attn_out.numel() > 0;
+    TORCH_CHECK(!read_hidden || (hidden_out.scalar_type() == torch::kFloat32 &&
+                                 hidden_out.numel() == layers * hidden),
+                "hidden_out is float32 (layers, hidden)");
+    TORCH_CHECK(!read_attention || (attn_out.scalar_type() == torch::kFloat64 &&
+                                    attn_out.numel() == layers * heads_ * 2),
+                "attn_out is float64 (layers, heads, 2)");
     std::vector<float> h(hidden), qkv(q_width + 2 * kv_width), att(q_width), y(hidden);
     std::vector<float> gate_up(2 * inter), a(inter);
     float* xs = x.data_ptr<float>();
@@ -325,7 +336,8 @@ class Layers {
       const int64_t table = ropes_[l] * head_dim_;
       attend(l, qkv.data(), cos.data_ptr<float>() + table, sin.data_ptr<float>() + table,
              keys.data_ptr<float>() + l * kv_heads_ * max_len * head_dim_,
-             values.data_ptr<float>() + l * kv_heads_ * max_len * head_dim_, max_len, pos, att.data());
+             values.data_ptr<float>() + l * kv_heads_ * max_len * head_dim_, max_len, pos, att.data(),
+             read_attention ? attn_out.data_ptr<double>() + l * heads_ * 2 : nullptr, prompt_len);
       record(kO, m[1].product(att.data(), t[kO], 0, hidden, y.data()));
       residual(norm[kPostAttnNorm], y.data(), xs, hidden);
       rms_norm(xs, norm[kMlpNorm].data_ptr<float>(), hidden, eps_, h.data());
@@ -344,6 +356,7 @@ class Layers {
       }
       record(kDown, m[3].product(a.data(), t[kDown], 0, hidden, y.data()));
       residual(norm[kPostMlpNorm], y.data(), xs, hidden);
+      if (read_hidden) std::copy(xs, xs + hidden, hidden_out.data_ptr<float>() + l * hidden);
     }
   }
 
@@ -362,8 +375,11 @@ class Layers {
   // One query against the cache: normalise (where the family does) and rotate q and k, store
   // k and v at `pos`, softmax-weighted sum of the values of the positions the layer sees
   // (0..pos, or the window ending at pos), for each head (grouped-query heads share a kv head).
+  // stats (heads, 2), unless null: each head's probability on positions before prompt_len and
+  // the probabilities' entropy.
   void attend(int64_t l, float* qkv, const float* cos, const float* sin, float* keys,
-              float* values, int64_t max_len, int64_t pos, float* out) const {
+              float* values, int64_t max_len, int64_t pos, float* out, double* stats,
+              int64_t prompt_len) const {
     const int64_t d = head_dim_, group = heads_ / kv_heads_;
     const auto& norm = norms_[l];
     const int64_t first = windows_[l] > 0 ? std::max<int64_t>(0, pos - windows_[l] + 1) : 0;
@@ -393,13 +409,25 @@ class Layers {
           scores[t] = dot * scale;
           top = std::max(top, scores[t]);
         }
-        double total = 0.0;
-        for (int64_t t = first; t <= pos; ++t) total += scores[t] = std::exp(scores[t] - top);
+        // The entropy comes without a log per position: -sum p log p = log Z - sum p z, with
+        // z the shifted logits and Z the softmax's normaliser.
+        double total = 0.0, weighted = 0.0, on_prompt = 0.0;
+        for (int64_t t = first; t <= pos; ++t) {
+          const float z = scores[t] - top, e = std::exp(z);
+          scores[t] = e;
+          total += e;
+          weighted += static_cast<double>(e) * z;
+          if (t < prompt_len) on_prompt += e;
+        }
         float* oh = out + head * d;
         std::fill(oh, oh + d, 0.0f);
         for (int64_t t = first; t <= pos; ++t) {
           const float p = static_cast<float>(scores[t] / total);
           for (int64_t j = 0; j < d; ++j) oh[j] += p * vh[t * d + j];
+        }
+        if (stats != nullptr) {
+          stats[head * 2] = on_prompt / total;
+          stats[head * 2 + 1] = std::log(total) - weighted / total;
         }
       }
     });
