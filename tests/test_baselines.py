@@ -231,12 +231,6 @@ def test_flag_threshold_spends_the_flag_budget_on_healthy_answers() -> None:
     assert judge.flag_below(model, None, "conservative") == 0.3  # none measured there
     reloaded = TrustModel.from_dict(model.to_dict())
     assert reloaded.flag_thresholds == model.flag_thresholds
-    # A model saved with one threshold (its fit level's) loads as that level's.
-    legacy = {k: v for k, v in model.to_dict().items() if k not in ("flag_thresholds",)}
-    legacy |= {"flag_threshold": threshold, "flag_fit": {"requests": 199}}
-    old = TrustModel.from_dict(legacy)
-    assert old.flag_thresholds == {"balanced": threshold}
-    assert old.flag_fit == {"balanced": {"requests": 199}}
 
 
 def test_the_rule_score_flags_within_the_budget_of_the_baselines_late_silence() -> None:

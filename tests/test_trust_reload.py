@@ -40,7 +40,7 @@ from sparse_engine.sparsity.plan import Level
 from sparse_engine.trust.evaluate import answer
 from sparse_engine.trust.features import RequestSignals
 from sparse_engine.trust.model import TrustModel, TrustStore, fit
-from sparse_engine.trust.qa import QAItem, normalise_answer
+from sparse_engine.trust.qa import QAItem, load_qa, normalise_answer, qa_sample
 from tests.gateway_fixtures import RecordingSink
 from tests.polling import wait_until
 from tests.test_hot_reload import _send_raw, _task_in_broker
@@ -86,8 +86,8 @@ def test_codec_carries_whole_trust_models_and_reads_calibrations_as_before(
     assert decode(json.dumps({"type": "io.sparseguard.other.v9"}).encode()) is None
     with pytest.raises(ValueError, match="versioned trust model"):
         decode(json.dumps({"type": TRUST_MODEL_PUBLISHED, "trust_model": {}}).encode())
-    alien = {**model.to_dict(), "feature_names": ["something", "else"]}
-    with pytest.raises(ValueError, match="uses features"):
+    alien = {**model.to_dict(), "format": 1}
+    with pytest.raises(ValueError, match="made by an older version"):
         decode(json.dumps({"type": TRUST_MODEL_PUBLISHED, "trust_model": alien}).encode())
     with pytest.raises(ValueError, match="save the trust model"):
         encode_trust_model(trust_model("tiny-llama", 0.0, "2025-01-01T00:00:00+00:00"), "x")
@@ -194,8 +194,9 @@ def test_trust_fit_job_fits_once_publishes_and_skips_when_one_exists(
     telemetry = TelemetrySettings(bootstrap_servers=kafka_broker.bootstrap, partitions=1)
     settings = Settings(home=tmp_path, telemetry=telemetry)
     engine = tiny_engine(cache=False)
-    qa = write_qa(tmp_path / "qa.jsonl", qa_items(engine, 8, 3))
-    params = {"data": str(qa), "n": 8, "level": "dense", "max_new_tokens": 3, "if_missing": True}
+    qa = write_qa(tmp_path / "qa.jsonl", qa_items(engine, 20, 3))
+    params = {"data": str(qa), "n": 10, "level": "dense", "max_new_tokens": 3, "if_missing": True}
+    fit_half = len(qa_sample(load_qa(str(qa), tmp_path), "fit", 10))  # the other half: eval
     first = fit_trust(settings, ClaimedJob(1, "trust_fit", "first-serve", params, 1), engine)
     retried = fit_trust(settings, ClaimedJob(1, "trust_fit", "first-serve", params, 2), engine)
     second = fit_trust(settings, ClaimedJob(2, "trust_fit", "first-serve", params, 1), engine)
@@ -205,8 +206,8 @@ def test_trust_fit_job_fits_once_publishes_and_skips_when_one_exists(
         fit_trust(settings, ClaimedJob(4, "trust_fit", "x", {"levels": ["dense"]}, 1), engine)
     model = TrustStore(settings.trust_dir).latest("tiny-llama", "dense")
     assert first["version"] == retried["version"] == second["version"] == model.version
-    assert (first["items"], first["level"], second["skipped"]) == (8, "dense", True)
-    assert 0 < first["right"] < 8
+    assert (first["items"], first["level"], second["skipped"]) == (fit_half, "dense", True)
+    assert 0 < first["right"] < fit_half
     assert model.fit_data["job_id"] == 1 and model.fit_data["reason"] == "first-serve"
     assert len(list(settings.trust_dir.glob("trust-*.json"))) == 1
     messages = trust_messages(kafka_broker.bootstrap, telemetry.control_topic)
@@ -237,4 +238,4 @@ def test_up_queues_the_first_trust_fit_only_when_the_served_model_has_none(tmp_p
         "queued",
     )
     assert job.params == {"n": 50, "level": "balanced", "if_missing": True, "data": "halueval",
-                          "offset": 0, "max_new_tokens": 32}  # fmt: skip
+                          "split": "fit", "mode": "serve", "max_new_tokens": 32}  # fmt: skip

@@ -3,6 +3,7 @@ store, the rolling baseline, the judge's reasons and the fallback prompts."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -23,12 +24,21 @@ from sparse_engine.sparsity.plan import Level
 from sparse_engine.sparsity.recorder import SignalSummary
 from sparse_engine.trust.evaluate import QARecord
 from sparse_engine.trust.features import (
+    FEATURES,
     RequestSignals,
     SilenceBaseline,
     context_overlap,
     from_stats,
 )
-from sparse_engine.trust.model import TrustModelNotFoundError, TrustStore, fit
+from sparse_engine.trust.model import (
+    Group,
+    TrustModel,
+    TrustModelNotFoundError,
+    TrustStore,
+    candidates,
+    fit,
+    group_vectors,
+)
 from sparse_engine.trust.qa import QADataError, grade, load_qa, normalise_answer, token_f1
 from sparse_engine.trust.report import report
 from tests.tiny import tiny_engine
@@ -106,18 +116,19 @@ def test_fit_learns_the_informative_feature_and_generalises(tmp_path: Path) -> N
         [r.correct for r in train],
         model_id="m",
         level="balanced",
-        fit_data={"data": "synthetic", "offset": 0, "n": 300},
+        fit_data={"data": "synthetic", "split": "fit", "n": 300},
     )
-    weights = dict(zip(model.feature_names, model.weights, strict=True))
+    assert model.group_names == ["scalar"]  # no readout, no probe: the scalar signals alone
+    weights = dict(zip(FEATURES, model.weights, strict=True))
     assert max(weights, key=lambda k: abs(weights[k])) == "mean_logprob"
     assert weights["mean_logprob"] > 0  # more confident -> more likely right
-    held = report(test, model, {"data": "synthetic", "offset": 300, "n": 200})
+    held = report(test, model, {"data": "synthetic", "split": "eval", "n": 200})
     assert held.held_out is True and held.trust_auroc > 0.9
-    assert report(train, model, {"data": "synthetic", "offset": 0, "n": 10}).held_out is False
+    assert report(train, model, {"data": "synthetic", "split": "fit", "n": 10}).held_out is False
     assert all(0.0 <= model.score(r.signals) <= 1.0 for r in test)
     store = TrustStore(tmp_path)
     saved = store.save(model)
-    assert saved.version.startswith("trust-balanced-")
+    assert saved.version.startswith("trust-serve-balanced-")
     assert store.latest("m").weights == model.weights
     assert store.load(saved.version).score(test[0].signals) == model.score(test[0].signals)
     with pytest.raises(TrustModelNotFoundError, match="sparseguard trust fit"):
@@ -129,7 +140,7 @@ def test_answer_channel_probe_from_generation_and_teacher_forcing() -> None:
     request = GenerationRequest(prompt="Once upon a time", max_new_tokens=5, ignore_eos=True)
     stats = engine.generate(request, Level.BALANCED).result()
     assert stats.signals is not None and stats.signals.answer_channels is not None
-    width = engine.lm.layers[0].get("down").in_features
+    width = int(engine.lm.layers[0].get("down").in_features)
     assert [len(row) for row in stats.signals.answer_channels] == [width] * engine.lm.num_layers
     sig = from_stats(stats, "Once upon a time")
     assert len(sig.probe) == width and len(stats.token_logprobs) == 5
@@ -138,17 +149,18 @@ def test_answer_channel_probe_from_generation_and_teacher_forcing() -> None:
     probed = score_answer(engine, messages, stats.text, Level.BALANCED, measure_drift=False)
     assert from_stats(probed, "x").probe and len(probed.token_logprobs) == probed.completion_tokens
     model = fit(
-        [sig, RequestSignals(mean_logprob=-3.0, probe=[0.0] * width)],
-        [True, False],
+        [sig, RequestSignals(mean_logprob=-3.0, probe=[0.0] * width)] * 5,
+        [True, False] * 5,
         model_id="m",
         level="balanced",
         fit_data={},
         l2=0.1,
     )
-    assert model.probe_size == width and len(model.weights) == len(model.feature_names)
-    assert 0.0 <= model.score(RequestSignals()) <= 1.0  # no answer token: the floor's log
-    with pytest.raises(ValueError, match="probe channels"):
-        model.score(RequestSignals(probe=[0.0] * 3))
+    assert "probe" in candidates_of(model)
+    with pytest.raises(ValueError, match="reads 128 values of probe but the answer has 3"):
+        TrustModel.from_dict({**model.to_dict(), "groups": [probe_group(width)]}).score(
+            RequestSignals(probe=[0.0] * 3)
+        )
 
 
 def test_fit_refuses_data_with_one_class() -> None:
@@ -230,3 +242,14 @@ def test_route_actions_and_fallback_prompts() -> None:
     assert "[1] Paris: Paris is the capital" in augmented[1]["content"]
     assert augmented[1]["content"].endswith("\n\nQ?") and len(augmented[1]["content"]) < 200
     assert simplified(_chat().messages)[1]["content"] == "Q?\n\nAnswer in more basic language."
+
+
+def candidates_of(model: TrustModel) -> set[str]:
+    """Every group the fit could choose for this model's kind of answers."""
+    sig = RequestSignals(probe=[0.0] * 128)
+    values = group_vectors([sig], model.baseline, model.drift_default)
+    return {name for names in candidates(values) for name in names}
+
+
+def probe_group(width: int) -> dict[str, object]:
+    return dataclasses.asdict(Group("probe", [0.0] * width, [1.0] * width))

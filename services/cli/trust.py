@@ -14,14 +14,14 @@ from services.cli.common import emit, emit_json, eval_commands
 from services.config import Settings
 from services.shared.engine import build_engine
 from services.workers.trust_fit import FitSpec, answers, fit_model
+from sparse_engine.data.qa_sets import QA_SETS
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.sparsity.plan import Level
-from sparse_engine.trust.model import TrustModel, TrustStore
-from sparse_engine.trust.qa import HALUEVAL
+from sparse_engine.trust.model import MODES, TrustModel, TrustStore
+from sparse_engine.trust.qa import HALUEVAL, SPLITS
 from sparse_engine.trust.report import TrustReport, report
 
 log = logging.getLogger(__name__)
-EVAL_OFFSET = 5000  # evaluation reads HaluEval's second half; fitting starts at item 0
 
 
 def register(commands: Any) -> None:
@@ -29,7 +29,7 @@ def register(commands: Any) -> None:
         dest="action", required=True
     )
     fitting = trust.add_parser("fit", help="fit the trust model on graded QA answers")
-    _data_args(fitting, offset=0, n=600)
+    data_args(fitting, n=200)
     fitting.add_argument(
         "--l2", type=float, help="L2 penalty on the weights (default: chosen by 5-fold CV)"
     )
@@ -39,33 +39,42 @@ def register(commands: Any) -> None:
     fitting.set_defaults(handler=fit_trust)
     evaluate = eval_commands(commands)
     eval_trust = evaluate.add_parser("trust", help="AUROC of trust and signals for wrong answers")
-    _data_args(eval_trust, offset=None, n=300)
+    data_args(eval_trust, n=200)
+    eval_trust.add_argument(
+        "--split", choices=SPLITS, default="eval", help="half of the set (default: eval)"
+    )
     eval_trust.add_argument("--trust-model", help="trust model version (default: the latest)")
     eval_trust.add_argument("--json", action="store_true", help="print the report as JSON")
     eval_trust.set_defaults(handler=eval_trust_score)
 
 
-def _data_args(parser: argparse.ArgumentParser, offset: int | None, n: int) -> None:
-    parser.add_argument("--data", default=HALUEVAL, help="'halueval' or a QA JSONL file")
-    parser.add_argument("--n", type=int, default=n, help="number of items")
+def data_args(parser: argparse.ArgumentParser, n: int) -> None:
     parser.add_argument(
-        "--offset",
-        type=int,
-        default=offset,
-        help=f"first item (default: {offset if offset is not None else EVAL_OFFSET} for "
-        "halueval, 0 for a file)",
+        "--data", default=HALUEVAL, help=f"{', '.join(QA_SETS)}, or a QA JSONL file"
     )
+    parser.add_argument("--n", type=int, default=n, help="items (about; from one half of the set)")
     parser.add_argument("--level", default="balanced", help="sparsity level to answer at")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="answer length")
     parser.add_argument("--model", help="model name, HF directory or GGUF file")
+    parser.add_argument(
+        "--mode",
+        choices=MODES,
+        default="serve",
+        help="serve: the model's own answers; proxy: answers scored teacher-forced, as the "
+        "gateway's proxy mode does",
+    )
+    parser.add_argument(
+        "--upstream",
+        help="proxy mode: the model whose answers are scored (default: the model's own)",
+    )
 
 
 def fit_trust(args: argparse.Namespace, settings: Settings) -> int:
-    spec = _spec(args, offset=0)
+    spec = spec_of(args, "fit")
     eng = build_engine(settings, args.model)
     if args.if_missing:
         try:
-            found = TrustStore(settings.trust_dir).latest(eng.lm.model_id, spec.level)
+            found = TrustStore(settings.trust_dir).latest(eng.lm.model_id, spec.level, spec.mode)
         except LookupError:
             pass
         else:
@@ -75,19 +84,21 @@ def fit_trust(args: argparse.Namespace, settings: Settings) -> int:
         model, records = fit_model(settings, eng, spec, progress=bar.update)
     fitted = report(records, model, None, settings.signals.late_band)
     emit(
-        f"trust model {model.version}: {len(records)} answers ({model.fit_data['right']} right), "
-        f"in-sample AUROC {fitted.trust_auroc:.3f}; saved in {settings.trust_dir}"
+        f"trust model {model.version}: {len(records)} answers ({model.fit_data['right']} right); "
+        f"groups {', '.join(model.group_names)}; cross-validated AUROC "
+        f"{model.fit_data['cv_auroc']}, in-sample {fitted.trust_auroc:.3f}; saved in "
+        f"{settings.trust_dir}"
     )
     return 0
 
 
 def eval_trust_score(args: argparse.Namespace, settings: Settings) -> int:
-    spec = _spec(args, offset=_default_offset(args.data))
+    spec = spec_of(args, args.split)
     eng = build_engine(settings, args.model)
     with _bar(spec) as bar:
         records = answers(settings, eng, spec, progress=bar.update)
-    model = _trust_model(args, settings, eng)
-    info = {"data": spec.data, "offset": spec.offset, "n": len(records), "level": spec.level}
+    model = _trust_model(args, settings, eng, spec.mode)
+    info = {"data": spec.data, "split": spec.split, "n": len(records), "level": spec.level}
     result = report(records, model, info, settings.signals.late_band)
     if args.json:
         emit_json(result.to_dict())
@@ -96,18 +107,22 @@ def eval_trust_score(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-def _spec(args: argparse.Namespace, offset: int) -> FitSpec:
+def spec_of(args: argparse.Namespace, split: str) -> FitSpec:
     """The fit or evaluation spec of the arguments (bad ones fail before the model loads)."""
     if args.n < 1:
         raise ValueError("--n must be at least 1")
+    if args.upstream and args.mode != "proxy":
+        raise ValueError("--upstream scores another model's answers: add --mode proxy")
     return FitSpec(
         data=args.data,
         n=args.n,
-        offset=args.offset if args.offset is not None else offset,
+        split=split,
         level=Level.parse(args.level).value,
         max_new_tokens=args.max_new_tokens,
         l2=getattr(args, "l2", None),
         model=args.model,
+        mode=args.mode,
+        upstream=args.upstream,
     )
 
 
@@ -115,16 +130,14 @@ def _bar(spec: FitSpec) -> tqdm[Any]:
     return tqdm(total=spec.n, unit="answer", desc=f"answering {spec.data} at {spec.level}")
 
 
-def _default_offset(data: str) -> int:
-    return EVAL_OFFSET if data == HALUEVAL else 0
-
-
-def _trust_model(args: argparse.Namespace, settings: Settings, eng: Engine) -> TrustModel | None:
+def _trust_model(
+    args: argparse.Namespace, settings: Settings, eng: Engine, mode: str
+) -> TrustModel | None:
     store = TrustStore(settings.trust_dir)
     if args.trust_model:
         return store.load(args.trust_model)
     try:
-        return store.latest(eng.lm.model_id)
+        return store.latest(eng.lm.model_id, args.level, mode)
     except LookupError as exc:
         log.warning("%s; reporting the rule-based score", exc)
         return None

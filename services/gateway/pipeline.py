@@ -184,6 +184,7 @@ async def _serve(
         stop=p.chat.stop,
         seed=p.chat.seed,
         measure_drift=p.measure_drift,
+        readout=True,  # what the trust model reads (`sparsity.readout`)
     )
 
     def run(emit: Emit, cancel: threading.Event) -> GenerationStats:
@@ -226,7 +227,7 @@ async def _proxy(
     answer = "".join(parts)
 
     def run(emit: Emit, cancel: threading.Event) -> GenerationStats:
-        return score_answer(rt.engine, messages, answer, p.plan, p.measure_drift)
+        return score_answer(rt.engine, messages, answer, p.plan, p.measure_drift, readout=True)
 
     async for item in _drain(_submit(rt, run)):
         if isinstance(item, Answered):

@@ -146,19 +146,21 @@ def load_judge(settings: Settings, model_id: str, arrived: Sequence[TrustModel] 
         found = [m for m in arrived if m.version == pinned]
         pinned_model = found[0] if found else store.load(pinned)
         return TrustJudge(settings.trust, settings.signals, pinned_model, book=book)
-    model = _newest(store, model_id, None, arrived)
+    mode = settings.gateway.mode  # a proxy scores another model's answers: its own models
+    model = _newest(store, model_id, None, arrived, mode)
     if model is None:
         log.warning(
-            "no trust model for %s in %s yet: trust is the rule score (1 - late-layer silence) "
-            "until one is fit (`sparseguard jobs trust-fit`, queued by `sparseguard up`) and "
-            "arrives on the control topic",
+            "no %s-mode trust model for %s in %s yet: trust is the rule score (1 - late-layer "
+            "silence) until one is fit (`sparseguard jobs trust-fit`, queued by `sparseguard "
+            "up`) and arrives on the control topic",
+            mode,
             model_id,
             store.root,
         )
         return TrustJudge(settings.trust, settings.signals, None, book=book)
     per_level = {}
     for level in LEVELS:
-        found_at = _newest(store, model_id, level, arrived)
+        found_at = _newest(store, model_id, level, arrived, mode)
         if found_at is not None:
             per_level[level] = found_at
             log.info(
@@ -168,11 +170,17 @@ def load_judge(settings: Settings, model_id: str, arrived: Sequence[TrustModel] 
 
 
 def _newest(
-    store: TrustStore, model_id: str, level: str | None, arrived: Sequence[TrustModel]
+    store: TrustStore,
+    model_id: str,
+    level: str | None,
+    arrived: Sequence[TrustModel],
+    mode: str,
 ) -> TrustModel | None:
-    found = [m for m in arrived if m.model_id == model_id and level in (None, m.level)]
+    found = [
+        m for m in arrived if m.model_id == model_id and m.mode == mode and level in (None, m.level)
+    ]
     with contextlib.suppress(TrustModelNotFoundError):
-        found.append(store.latest(model_id, level))
+        found.append(store.latest(model_id, level, mode))
     return max(found, key=lambda m: (m.created_at, m.version), default=None)
 
 

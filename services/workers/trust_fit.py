@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from services.config import Settings
 from services.shared.engine import build_engine
@@ -27,7 +28,8 @@ from sparse_engine.sparsity.plan import Level
 from sparse_engine.trust.evaluate import QARecord, RecordSet, collect
 from sparse_engine.trust.flagging import healthy_signals, set_flag_threshold
 from sparse_engine.trust.model import TrustModel, TrustModelNotFoundError, TrustStore, fit
-from sparse_engine.trust.qa import HALUEVAL, load_qa
+from sparse_engine.trust.proxy import Given, score_given, upstream_answers
+from sparse_engine.trust.qa import HALUEVAL, load_qa, qa_sample
 
 log = logging.getLogger(__name__)
 LOG_EVERY = 25  # answers between progress lines in a worker's log
@@ -35,22 +37,34 @@ Progress = Callable[[int], object]
 
 
 class FitSpec(BaseModel):
-    """What to answer and fit on; a job's params are these fields (all optional)."""
+    """What to answer and fit on; a job's params are these fields (all optional). Items come
+    from the `split` half of the set (`trust.qa.qa_sample`: passages never in both halves).
+    Proxy mode scores answers teacher-forced, as the gateway's proxy mode does: those of the
+    `upstream` model (a local model standing in for the upstream API), or the served model's
+    own when none is named."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    data: str = HALUEVAL  # 'halueval' or a QA JSONL file
+    data: str = HALUEVAL  # a packaged QA set or a QA JSONL file
     n: int = Field(200, ge=1)
-    offset: int = Field(0, ge=0)
+    split: Literal["fit", "eval"] = "fit"
     level: str = "balanced"
     max_new_tokens: int = Field(32, ge=1)
     l2: float | None = Field(None, gt=0)
     model: str | None = None  # default: the served model
+    mode: Literal["serve", "proxy"] = "serve"
+    upstream: str | None = None  # proxy mode: the model whose answers are scored
     if_missing: bool = False
 
     @field_validator("level")
     @classmethod
     def _known_level(cls, level: str) -> str:
         return Level.parse(level).value  # fails before the model loads
+
+    @model_validator(mode="after")
+    def _upstream_in_proxy_mode(self) -> FitSpec:
+        if self.upstream is not None and self.mode != "proxy":
+            raise ValueError("upstream: only proxy mode scores an upstream's answers")
+        return self
 
     def params(self) -> dict[str, Any]:
         return self.model_dump(exclude_none=True)
@@ -59,25 +73,29 @@ class FitSpec(BaseModel):
 def answers(
     settings: Settings, eng: Engine, spec: FitSpec, progress: Progress = lambda _: None
 ) -> list[QARecord]:
-    """Graded answers to items offset .. offset + n (cached under the trust directory, so an
-    interrupted run resumes where it stopped)."""
+    """Graded answers with their signals and readout, of the served model (serve mode) or
+    scored teacher-forced (proxy mode), cached under the trust directory so an interrupted run
+    resumes where it stopped."""
     items = load_qa(spec.data, settings.cache_home)
-    if spec.offset < 0 or spec.offset + spec.n > len(items):
-        raise ValueError(
-            f"{spec.data} has {len(items)} items; offset {spec.offset} + n {spec.n} reaches "
-            "past the end"
-        )
+    indices = qa_sample(items, spec.split, spec.n)
     level = Level.parse(spec.level)
     plan = eng.plan(level)
+    source = "" if spec.mode == "serve" else f"proxy-{spec.upstream or 'self'}-"
     records_at = RecordSet(
         settings.trust_dir / "records",
-        spec.data,
+        source + spec.data,
         eng.lm.model_id,
         plan.calibration_version or "dense",
         spec.max_new_tokens,
     )
-    indices = range(spec.offset, spec.offset + spec.n)
-    return collect(eng, items, indices, level, records_at, progress=progress)
+    if spec.mode == "serve":
+        return collect(eng, items, indices, level, records_at, progress=progress)
+    upstream = build_engine(settings, spec.upstream) if spec.upstream else eng
+    name = f"{upstream.lm.model_id}-{Path(spec.data).stem}-{spec.max_new_tokens}t.jsonl"
+    where = settings.trust_dir / "upstream" / name
+    given = upstream_answers(upstream, items, indices, spec.max_new_tokens, where, progress)
+    scored = [Given(2 * i, i, text) for i, text in given.items()]
+    return score_given(eng, items, scored, level, records_at)
 
 
 def fit_model(
@@ -97,19 +115,21 @@ def fit_model(
         level=spec.level,
         fit_data={
             "data": spec.data,
-            "offset": spec.offset,
+            "split": spec.split,
             "n": len(records),
             "level": spec.level,
+            "upstream": spec.upstream,
             **(extra or {}),
         },
         l2=spec.l2,
         late_band=settings.signals.late_band,
+        mode=spec.mode,
     )
     # One threshold per served level: a sparser level's answers score lower, so a threshold
     # measured at one level flags a quarter of another's healthy chat (README).
     chat = traffic.healthy("chat", settings.cache_home, "baseline", settings.trust.flag_requests)
     for level in sorted(eng.plans, key=list(Level).index):  # dense and every sparse level
-        healthy = healthy_signals(eng, level, chat, spec.max_new_tokens, progress)
+        healthy = healthy_signals(eng, level, chat, spec.max_new_tokens, progress, spec.mode)
         set_flag_threshold(model, healthy, settings.trust.flag_budget, "chat", level.value)
     return TrustStore(settings.trust_dir).save(model), records
 
@@ -122,7 +142,7 @@ def fit_trust(settings: Settings, job: ClaimedJob, engine: Engine | None = None)
     eng = engine or build_engine(settings, spec.model)
     model = made_by(settings, job.id)
     if model is None and spec.if_missing:
-        existing = _existing(settings, eng.lm.model_id, spec.level)
+        existing = _existing(settings, eng.lm.model_id, spec.level, spec.mode)
         if existing is not None:
             log.info("job %d: trust model %s exists; nothing to do", job.id, existing.version)
             return {"version": existing.version, "skipped": True}
@@ -152,9 +172,9 @@ def made_by(settings: Settings, job_id: int) -> TrustModel | None:
     return None
 
 
-def _existing(settings: Settings, model_id: str, level: str) -> TrustModel | None:
+def _existing(settings: Settings, model_id: str, level: str, mode: str) -> TrustModel | None:
     try:
-        return TrustStore(settings.trust_dir).latest(model_id, level)
+        return TrustStore(settings.trust_dir).latest(model_id, level, mode)
     except TrustModelNotFoundError:
         return None
 

@@ -12,7 +12,9 @@ generating, so a teacher-forced pass stops there too)."""
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,6 +35,18 @@ class AnswerReadout:
     hidden: torch.Tensor
     lookback: torch.Tensor
     entropy: torch.Tensor
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, the tensors as base64 float16 (a readout is about 20 kB so)."""
+        return {
+            "layers": list(self.layers),
+            **{name: _pack(getattr(self, name)) for name in ("hidden", "lookback", "entropy")},
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AnswerReadout:
+        tensors = {name: _unpack(data[name]) for name in ("hidden", "lookback", "entropy")}
+        return cls(tuple(data["layers"]), **tensors)
 
 
 class Readout:
@@ -105,3 +119,14 @@ class Readout:
         queries = self.queries.clamp_min(1)[:, None]
         lookback, entropy = self.lookback / queries, self.entropy / queries
         return AnswerReadout(self.layers, hidden.float(), lookback.float(), entropy.float())
+
+
+def _pack(t: torch.Tensor) -> dict[str, Any]:
+    raw = t.to(torch.float16).contiguous().numpy().tobytes()
+    return {"shape": list(t.shape), "f16": base64.b64encode(raw).decode("ascii")}
+
+
+def _unpack(packed: dict[str, Any]) -> torch.Tensor:
+    raw = bytearray(base64.b64decode(packed["f16"]))
+    flat = torch.frombuffer(raw, dtype=torch.float16) if raw else torch.zeros(0)
+    return flat.float().reshape(packed["shape"])

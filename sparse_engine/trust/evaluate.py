@@ -15,11 +15,12 @@ from pathlib import Path
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.runtime.generation import GenerationRequest
 from sparse_engine.sparsity.plan import Level
+from sparse_engine.sparsity.readout import AnswerReadout
 from sparse_engine.trust.features import RequestSignals, from_stats
-from sparse_engine.trust.qa import QAItem, grade, qa_messages
+from sparse_engine.trust.qa import QAItem, grade, in_passage, qa_messages
 
 log = logging.getLogger(__name__)
-RECORD_FORMAT = 2  # 2 added the channel probe; older records are answered again
+RECORD_FORMAT = 3  # 2: the channel probe; 3: the readout, alias-aware grades. Older: answered again
 
 
 @dataclass(slots=True)
@@ -29,15 +30,23 @@ class QARecord:
     contains: bool
     f1: float
     correct: bool
-    signals: RequestSignals
+    signals: RequestSignals  # with the answer's readout
+    exact: bool = False
+    in_passage: bool = False  # the answer is word for word in the item's passage
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["signals"] = self.signals.to_dict()
+        data["readout"] = data["signals"].pop("readout")  # kept apart: the bulk of a record
+        return json.dumps(data)
 
     @classmethod
     def from_json(cls, line: str) -> QARecord:
         data = json.loads(line)
-        return cls(**{**data, "signals": RequestSignals.from_dict(data["signals"])})
+        readout = data.pop("readout", None)
+        signals = RequestSignals.from_dict(data["signals"])
+        signals.readout = AnswerReadout.from_dict(readout) if readout else None
+        return cls(**{**data, "signals": signals})
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,12 +77,17 @@ def answer(engine: Engine, item: QAItem, index: int, level: Level, max_new_token
     """Greedy answer at `level`, with drift measured, graded against the gold answers."""
     messages = qa_messages(item)
     request = GenerationRequest(
-        messages=messages, max_new_tokens=max_new_tokens, measure_drift=True, use_prefix_cache=False
+        messages=messages,
+        max_new_tokens=max_new_tokens,
+        measure_drift=True,
+        use_prefix_cache=False,
+        readout=True,
     )
     stats = engine.generate(request, level).result()
     g = grade(stats.text, item.answers)
     signals = from_stats(stats, messages[0]["content"])
-    return QARecord(index, stats.text, g.contains, g.f1, g.correct, signals)
+    inside = in_passage(stats.text, item)
+    return QARecord(index, stats.text, g.contains, g.f1, g.correct, signals, g.exact, inside)
 
 
 def collect(

@@ -1,6 +1,7 @@
 """What the trust score reads about one answer: signals the engine already measured (per-layer
-silence, gate confidence and entropy, token log-probabilities and entropies, drift), and the
-features a trust model is fit on. No extra forward pass."""
+silence, gate confidence and entropy, token log-probabilities and entropies, drift, and the
+readout: residual stream and per-head attention, `sparsity.readout`), grouped into the feature
+groups a trust model is fit on. No extra forward pass."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ import math
 import re
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
 from sparse_engine.runtime.generation import GenerationStats
+from sparse_engine.sparsity.readout import HIDDEN_AT, AnswerReadout
 from sparse_engine.sparsity.signals import LATE_BAND, late_silence
 
 PROBE_DEPTH = 2 / 3  # the channel probe reads the MLP layer two thirds of the way up
@@ -60,17 +62,21 @@ class RequestSignals:
     # log(mean |activation| + floor) of each MLP channel of the probe layer over the answer:
     # per-layer silence at channel resolution.
     probe: list[float] = field(default_factory=list)
+    readout: AnswerReadout | None = None
 
     def late_silence(self, late_band: int = LATE_BAND) -> float:
         """Mean silence of the last `late_band` layers (0 without signals)."""
         return late_silence(self.silence_per_layer, late_band)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["readout"] = self.readout.to_dict() if self.readout is not None else None
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RequestSignals:
-        return cls(**data)
+        readout = data.get("readout")
+        return cls(**{**data, "readout": AnswerReadout.from_dict(readout) if readout else None})
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +135,7 @@ def from_stats(stats: GenerationStats, prompt_text: str) -> RequestSignals:
         prompt_tokens=stats.prompt_tokens,
         sparsity_per_layer=list(s.sparsity_per_layer) if s else [],
         probe=channel_probe(s.answer_channels) if s and s.answer_channels else [],
+        readout=stats.readout,
     )
 
 
@@ -141,29 +148,20 @@ def channel_probe(answer_channels: Sequence[torch.Tensor]) -> list[float]:
     return [round(v, 4) for v in torch.log(means + PROBE_FLOOR).tolist()]
 
 
-def features(
-    sig: RequestSignals,
-    baseline: SilenceBaseline,
-    drift_default: float,
-    probe_size: int,
-    late_band: int = LATE_BAND,
-) -> list[float]:
-    """The feature vector: FEATURES, then the channel probe (`probe_size` values, none for a
-    model fit without it; the floor's log when the answer had no token). A drift that was not
-    measured takes `drift_default` (the mean of the data the model was fit on)."""
-    if not probe_size:
-        return scalar_features(sig, baseline, drift_default, late_band)
-    probe = sig.probe or [math.log(PROBE_FLOOR)] * probe_size
-    if len(probe) != probe_size:
-        raise ValueError(
-            f"the trust model reads {probe_size} probe channels but the answer has {len(probe)}: "
-            "fit a trust model for this model with `sparseguard trust fit`"
-        )
-    return [*scalar_features(sig, baseline, drift_default, late_band), *probe]
-
-
-def feature_names(probe_size: int) -> list[str]:
-    return [*FEATURES, *(f"probe.{i}" for i in range(probe_size))]
+def readout_groups(readout: AnswerReadout | None) -> dict[str, torch.Tensor]:
+    """The readout's feature groups: `lookback` and `attn_entropy` (one value per layer and
+    head), and `hidden.<where>.<layer>` (the residual stream), where <where> is one of
+    HIDDEN_AT. Empty without a readout."""
+    if readout is None:
+        return {}
+    groups = {
+        "lookback": readout.lookback.flatten().double(),
+        "attn_entropy": readout.entropy.flatten().double(),
+    }
+    for i, where in enumerate(HIDDEN_AT):
+        for j, layer in enumerate(readout.layers):
+            groups[f"hidden.{where}.{layer}"] = readout.hidden[i, j].double()
+    return groups
 
 
 def scalar_features(

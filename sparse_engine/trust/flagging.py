@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from sparse_engine.data.traffic import Prompt
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.runtime.generation import GenerationRequest
+from sparse_engine.runtime.scoring import score_answer
 from sparse_engine.sparsity.plan import Level
 from sparse_engine.trust.features import RequestSignals, from_stats
 from sparse_engine.trust.model import TrustModel
@@ -25,17 +26,25 @@ def healthy_signals(
     prompts: Sequence[Prompt],
     max_new_tokens: int,
     progress: Callable[[int], object] | None = None,
+    mode: str = "serve",
 ) -> list[RequestSignals]:
-    """The trust signals of greedy answers to healthy prompts, measured as the gateway does."""
+    """The trust signals of greedy answers to healthy prompts, measured as the gateway does:
+    generated (serve mode), or generated, then scored teacher-forced as proxy mode scores an
+    upstream's answer."""
     found = []
     for prompt in prompts:
         request = GenerationRequest(
-            messages=prompt.messages(), max_new_tokens=max_new_tokens, measure_drift=True
+            messages=prompt.messages(),
+            max_new_tokens=max_new_tokens,
+            measure_drift=True,
+            readout=mode == "serve",
         )
         if progress is not None:
             progress(1)
         try:
             stats = engine.generate(request, level).result()
+            if mode == "proxy":
+                stats = score_answer(engine, prompt.messages(), stats.text, level, True, True)
         except ValueError as exc:  # a prompt longer than the model's context: not its traffic
             log.info("healthy prompt skipped: %s", exc)
             continue

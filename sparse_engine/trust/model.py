@@ -1,10 +1,17 @@
-"""The trust model: L2-regularised logistic regression over the trust features, predicting that
-an answer is right. Fit on graded answers (`fit`), stored as a versioned JSON artefact like a
-calibration (`TrustStore`), applied per request (`TrustModel.score`)."""
+"""The trust model: L2-regularised logistic regression predicting that an answer is right, over
+feature groups (`trust.features`): the scalar signals, the channel probe, per-head attention
+(lookback share and entropy) and the residual stream at the readout's layers. Each group is
+standardised; a wide group is reduced to its leading principal components. Which groups (and
+which layer of the residual stream), how many components and how strong a penalty are chosen by
+cross-validated AUROC on the fit data. Fit on graded answers (`fit`), stored as a versioned JSON
+artefact like a calibration (`TrustStore`), applied per request (`TrustModel.score`). A model
+is fit for one mode (serve: the engine's own answers; proxy: an upstream's answers,
+teacher-forced) and one level."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,15 +25,22 @@ from sparse_engine.evaluation.ranking import auroc
 from sparse_engine.jsonstore import JsonStore, stamped_version
 from sparse_engine.sparsity.signals import LATE_BAND
 from sparse_engine.trust.features import (
+    FEATURES,
     RequestSignals,
     SilenceBaseline,
-    feature_names,
-    features,
+    readout_groups,
+    scalar_features,
 )
 
-L2_GRID = (0.3, 1.0, 3.0, 10.0, 30.0)  # penalties tried by cross-validation when none is given
+log = logging.getLogger(__name__)
+MODEL_FORMAT = 2  # 2: feature groups with the readout
+MODES = ("serve", "proxy")
+L2_GRID = (0.01, 0.03, 0.1, 0.3)
+COMPONENTS = (8, 32)  # principal components kept of a wide group
 FOLDS = 5
-DEFAULT_L2 = 1.0
+DEFAULT_L2 = 0.1
+ATTENTION = ("lookback", "attn_entropy")
+Vectors = dict[str, torch.Tensor]
 
 
 class TrustModelNotFoundError(LookupError):
@@ -34,27 +48,53 @@ class TrustModelNotFoundError(LookupError):
 
 
 @dataclass(slots=True)
+class Group:
+    """One feature group's transform: standardise, then project onto `axes` (k, width), the
+    leading principal components of the standardised fit data (None: keep every value)."""
+
+    name: str
+    mean: list[float]
+    std: list[float]
+    axes: list[list[float]] | None = None
+
+    @classmethod
+    def fit(cls, name: str, x: torch.Tensor, components: int) -> Group:
+        mean, std = x.mean(0), x.std(0, unbiased=False).clamp_min(1e-6)
+        if x.shape[1] <= components:
+            return cls(name, mean.tolist(), std.tolist())
+        _, _, v = torch.linalg.svd((x - mean) / std, full_matrices=False)
+        return cls(name, mean.tolist(), std.tolist(), v[:components].tolist())
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != len(self.mean):
+            raise ValueError(
+                f"the trust model reads {len(self.mean)} values of {self.name} but the answer "
+                f"has {x.shape[-1]}: fit a trust model for this model with `sparseguard trust fit`"
+            )
+        z = (x - torch.tensor(self.mean, dtype=x.dtype)) / torch.tensor(self.std, dtype=x.dtype)
+        return z if self.axes is None else z @ torch.tensor(self.axes, dtype=x.dtype).T
+
+
+@dataclass(slots=True)
 class TrustModel:
     model_id: str
     level: str
-    feature_names: list[str]
+    groups: list[Group]
     weights: list[float]
     bias: float
-    mean: list[float]
-    std: list[float]
     baseline_mean: list[float]
     baseline_std: list[float]
     drift_default: float
-    probe_size: int
     fit_data: dict[str, Any]
-    # The late band its late-silence feature was fit with; a model saved without one was fit
-    # with the default.
+    mode: str = "serve"
+    # The late band its late-silence feature was fit with.
     late_band: int = LATE_BAND
     # Per served level, scores below this flag an answer: the healthy-traffic threshold
     # (`trust.flagging`), measured on answers at that level (sparser levels score lower). A
-    # level without one (or a model saved before them) uses the gateway's fixed minimum score.
+    # level without one uses the gateway's fixed minimum score.
     flag_thresholds: dict[str, float] = field(default_factory=dict)
     flag_fit: dict[str, dict[str, Any]] = field(default_factory=dict)  # per level
+    format: int = MODEL_FORMAT
     created_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
     version: str = ""
 
@@ -62,49 +102,75 @@ class TrustModel:
     def baseline(self) -> SilenceBaseline:
         return SilenceBaseline(tuple(self.baseline_mean), tuple(self.baseline_std))
 
+    @property
+    def group_names(self) -> list[str]:
+        return [g.name for g in self.groups]
+
     def score(self, sig: RequestSignals) -> float:
         """Probability that the answer is right, in [0, 1]."""
-        return float(torch.sigmoid(self._logit(torch.tensor([self.vector(sig)]))[0]))
+        values = group_vectors([sig], self.baseline, self.drift_default, self.late_band)
+        missing = [g.name for g in self.groups if g.name not in values]
+        if missing:
+            raise ValueError(
+                f"the trust model reads {missing}, which this answer lacks (no readout: the "
+                "request was served without one)"
+            )
+        return float(torch.sigmoid(self.logits(values))[0])
 
-    def vector(self, sig: RequestSignals) -> list[float]:
-        return features(sig, self.baseline, self.drift_default, self.probe_size, self.late_band)
-
-    def _logit(self, x: torch.Tensor) -> torch.Tensor:
-        z = (x.double() - torch.tensor(self.mean)) / torch.tensor(self.std)
-        return z @ torch.tensor(self.weights, dtype=torch.float64) + self.bias
+    def logits(self, values: Vectors) -> torch.Tensor:
+        x = torch.cat([g.apply(values[g.name]) for g in self.groups], dim=1)
+        return x @ torch.tensor(self.weights, dtype=x.dtype) + self.bias
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrustModel:
-        fields = dataclasses.fields(cls)
-        optional = ("created_at", "late_band", "flag_thresholds", "flag_fit")
-        missing = [f.name for f in fields if f.name not in data and f.name not in optional]
-        if missing:
+        if data.get("format") != MODEL_FORMAT:
             raise ValueError(
-                f"trust model {data.get('version', '?')} lacks {missing}: it was made by an "
-                "older version; fit a new one with `sparseguard trust fit`"
+                f"trust model {data.get('version', '?')} was made by an older version (format "
+                f"{data.get('format', 1)}, this one reads {MODEL_FORMAT}); fit a new one with "
+                "`sparseguard trust fit`"
             )
-        data = _per_level_flags(data)
-        model = cls(**{k: v for k, v in data.items() if k in {f.name for f in fields}})
-        if model.feature_names != feature_names(model.probe_size):
-            raise ValueError(
-                f"trust model {model.version} uses features {model.feature_names}; this version "
-                "reads others: fit a new one with `sparseguard trust fit`"
-            )
+        names = {f.name for f in dataclasses.fields(cls)}
+        model = cls(**{k: v for k, v in data.items() if k in names})
+        model.groups = [Group(**g) for g in data["groups"]]
         return model
 
 
-def _per_level_flags(data: dict[str, Any]) -> dict[str, Any]:
-    """A model saved with one `flag_threshold` (measured at its fit level) as per-level ones."""
-    if "flag_threshold" not in data:
-        return data
-    found = {k: v for k, v in data.items() if k != "flag_threshold"}
-    level, threshold = data.get("level", ""), data["flag_threshold"]
-    found["flag_thresholds"] = {} if threshold is None else {level: threshold}
-    found["flag_fit"] = {level: data["flag_fit"]} if data.get("flag_fit") else {}
-    return found
+def group_vectors(
+    signals: Sequence[RequestSignals],
+    baseline: SilenceBaseline,
+    drift_default: float,
+    late_band: int = LATE_BAND,
+) -> Vectors:
+    """Each feature group over the answers, (answers, width) float64; a readout group only when
+    every answer has a readout, the probe only when every answer has one of one width."""
+    scalars = [scalar_features(s, baseline, drift_default, late_band) for s in signals]
+    out: Vectors = {"scalar": torch.tensor(scalars, dtype=torch.float64)}
+    probes = [s.probe for s in signals]
+    if all(probes) and len({len(p) for p in probes}) == 1:
+        out["probe"] = torch.tensor(probes, dtype=torch.float64)
+    readouts = [readout_groups(s.readout) for s in signals]
+    for name in readouts[0] if all(readouts) else ():
+        if all(name in r and r[name].shape == readouts[0][name].shape for r in readouts):
+            out[name] = torch.stack([r[name] for r in readouts])
+    return out
+
+
+def candidates(values: Vectors) -> list[tuple[str, ...]]:
+    """The group sets cross-validation chooses among: the scalar signals alone, with the
+    channel probe, with per-head attention, and with attention and the residual stream (the
+    answer's mean, or the last prompt token's) at one readout layer."""
+    sets: list[tuple[str, ...]] = [("scalar",)]
+    if "probe" in values:
+        sets.append(("scalar", "probe"))
+    if all(a in values for a in ATTENTION):
+        sets.append(("scalar", *ATTENTION))
+        for name in sorted(values):
+            if name.startswith(("hidden.answer_mean.", "hidden.last_prompt.")):
+                sets.append(("scalar", *ATTENTION, name))
+    return sets
 
 
 def fit(
@@ -116,77 +182,103 @@ def fit(
     fit_data: dict[str, Any],
     l2: float | None = None,
     late_band: int = LATE_BAND,
+    mode: str = "serve",
 ) -> TrustModel:
-    """Standardise the features, then minimise the mean logistic loss plus l2 * |w|^2, with
-    `l2` chosen by cross-validated AUROC over L2_GRID when not given."""
+    """Choose the groups, components and penalty by cross-validated AUROC (the penalty fixed
+    when `l2` is given), then fit on all the data. The chosen setting's cross-validated AUROC is
+    kept in `fit_data` (optimistic by the choice among settings; a held-out evaluation is the
+    honest figure)."""
     if len(set(correct)) < 2:
         raise ValueError("fitting needs both right and wrong answers in the data; use more items")
+    if mode not in MODES:
+        raise ValueError(f"unknown trust mode {mode!r}; choose one of {', '.join(MODES)}")
     baseline = SilenceBaseline.of([s.silence_per_layer for s in signals])
     drifts = [s.drift_kl for s in signals if s.drift_kl is not None]
     drift_default = sum(drifts) / len(drifts) if drifts else 0.0
-    probe_size = _probe_size(signals)
-    x = torch.tensor(
-        [features(s, baseline, drift_default, probe_size, late_band) for s in signals],
-        dtype=torch.float64,
-    )
+    values = group_vectors(signals, baseline, drift_default, late_band)
     y = torch.tensor(correct, dtype=torch.float64)
-    chosen, cv = (l2, None) if l2 is not None else _choose_l2(x, y)
-    mean, std = x.mean(0), x.std(0, unbiased=False).clamp_min(1e-9)
-    w, b = _logistic_regression((x - mean) / std, y, chosen)
+    grid = [
+        (names, k, penalty)
+        for names in candidates(values)
+        for k in COMPONENTS
+        for penalty in ((l2,) if l2 is not None else L2_GRID)
+    ]
+    scored = _cross_validate(values, y, grid)
+    (names, k, penalty), cv = max(scored, key=lambda item: item[1])
+    groups, weights, bias = _fit_groups(values, y, names, k, penalty)
+    log.info("trust model: groups %s, %d components, l2 %s, cv AUROC %.3f", names, k, penalty, cv)
     return TrustModel(
         model_id=model_id,
         level=level,
-        feature_names=feature_names(probe_size),
-        weights=w.tolist(),
-        bias=b,
-        mean=mean.tolist(),
-        std=std.tolist(),
+        groups=groups,
+        weights=weights.tolist(),
+        bias=bias,
         baseline_mean=list(baseline.mean),
         baseline_std=list(baseline.std),
         drift_default=drift_default,
-        probe_size=probe_size,
+        mode=mode,
         late_band=late_band,
         fit_data={
             **fit_data,
             "items": len(signals),
             "right": int(sum(correct)),
-            "l2": chosen,
-            "cv_auroc": cv,
+            "groups": list(names),
+            "components": k,
+            "l2": penalty,
+            "cv_auroc": None if math.isnan(cv) else round(cv, 4),
+            "features": len(FEATURES),
         },
     )
 
 
-def _probe_size(signals: Sequence[RequestSignals]) -> int:
-    sizes = {len(s.probe) for s in signals if s.probe}
-    if len(sizes) > 1:
-        raise ValueError(f"answers carry channel probes of different sizes {sorted(sizes)}")
-    return sizes.pop() if sizes else 0
-
-
-def _choose_l2(x: torch.Tensor, y: torch.Tensor) -> tuple[float, dict[str, float] | None]:
-    """The penalty with the best mean AUROC over FOLDS interleaved folds (DEFAULT_L2 when some
-    fold lacks a right or a wrong answer: too little data to choose)."""
+def _cross_validate(
+    values: Vectors, y: torch.Tensor, grid: list[tuple[tuple[str, ...], int, float]]
+) -> list[tuple[tuple[tuple[str, ...], int, float], float]]:
+    """Mean AUROC over FOLDS interleaved folds of each setting (NaN when a fold lacks a class:
+    then the first setting, the scalar signals alone, wins)."""
     folds = [torch.arange(len(y))[k::FOLDS] for k in range(FOLDS)]
-    scores = {}
-    for l2 in L2_GRID:
+    out = []
+    for names, k, penalty in grid:
         aucs = []
         for test in folds:
             train = torch.ones(len(y), dtype=torch.bool)
             train[test] = False
-            mean, std = x[train].mean(0), x[train].std(0, unbiased=False).clamp_min(1e-9)
-            w, b = _logistic_regression((x[train] - mean) / std, y[train], l2)
-            logit = (x[test] - mean) / std @ w + b
-            aucs.append(auroc((-logit).tolist(), (y[test] == 0).tolist()))
-        if any(math.isnan(a) for a in aucs):
-            return DEFAULT_L2, None
-        scores[str(l2)] = sum(aucs) / len(aucs)
-    best = max(L2_GRID, key=lambda l2: scores[str(l2)])
-    return best, scores
+            part = {n: values[n][train] for n in names}
+            groups, w, b = _fit_groups(part, y[train], names, k, penalty)
+            x = torch.cat([g.apply(values[g.name][test]) for g in groups], dim=1)
+            aucs.append(auroc((-(x @ w + b)).tolist(), (y[test] == 0).tolist()))
+        mean = sum(aucs) / len(aucs)
+        out.append(((names, k, penalty), -math.inf if math.isnan(mean) else mean))
+    if all(math.isinf(a) for _, a in out):
+        return [(grid[0], math.nan)]
+    return out
+
+
+def _fit_groups(
+    values: Vectors, y: torch.Tensor, names: Sequence[str], k: int, l2: float
+) -> tuple[list[Group], torch.Tensor, float]:
+    groups = [Group.fit(n, values[n], k) for n in names]
+    x = torch.cat([g.apply(values[g.name]) for g in groups], dim=1)
+    # The projected groups are rescaled into the first transform so the penalty treats every
+    # input alike: fold the column spread into the axes (or the std) of each group.
+    spread = x.std(0, unbiased=False).clamp_min(1e-6)
+    start = 0
+    for g in groups:
+        width = len(g.axes) if g.axes is not None else len(g.mean)
+        part = spread[start : start + width]
+        if g.axes is not None:
+            g.axes = (torch.tensor(g.axes, dtype=torch.float64) / part[:, None]).tolist()
+        else:
+            g.std = (torch.tensor(g.std, dtype=torch.float64) * part).tolist()
+        start += width
+    x = torch.cat([g.apply(values[g.name]) for g in groups], dim=1)
+    w, b = _logistic_regression(x, y, l2)
+    return groups, w, b
 
 
 def _logistic_regression(x: torch.Tensor, y: torch.Tensor, l2: float) -> tuple[torch.Tensor, float]:
     params = torch.zeros(x.shape[1] + 1, dtype=torch.float64, requires_grad=True)
-    optimiser = torch.optim.LBFGS([params], max_iter=500, line_search_fn="strong_wolfe")
+    optimiser = torch.optim.LBFGS([params], max_iter=300, line_search_fn="strong_wolfe")
 
     def loss_fn() -> torch.Tensor:
         optimiser.zero_grad()
@@ -211,7 +303,9 @@ class TrustStore:
 
     def save(self, model: TrustModel) -> TrustModel:
         content = [model.weights, model.bias, model.fit_data]
-        model.version = stamped_version(f"trust-{model.level}", model.created_at, content)
+        model.version = stamped_version(
+            f"trust-{model.mode}-{model.level}", model.created_at, content
+        )
         self._files.save(model.version, model.to_dict())
         return model
 
@@ -221,16 +315,27 @@ class TrustStore:
             raise TrustModelNotFoundError(f"no trust model {version!r} in {self.root}")
         return TrustModel.from_dict(data)
 
-    def latest(self, model_id: str, level: str | None = None) -> TrustModel:
-        """The newest model for `model_id` (fit at `level`, when given)."""
-        models = map(TrustModel.from_dict, self._files.all("trust-*.json"))
+    def latest(self, model_id: str, level: str | None = None, mode: str = "serve") -> TrustModel:
+        """The newest model of this format for `model_id` and `mode` (fit at `level`, when
+        given); models of older formats are passed over."""
+        models = []
+        for data in self._files.all("trust-*.json"):
+            try:
+                models.append(TrustModel.from_dict(data))
+            except ValueError as exc:
+                log.debug("%s", exc)
         found = sorted(
-            (m for m in models if m.model_id == model_id and level in (None, m.level)),
+            (
+                m
+                for m in models
+                if m.model_id == model_id and m.mode == mode and level in (None, m.level)
+            ),
             key=lambda m: (m.created_at, m.version),
         )
         if not found:
+            command = "sparseguard trust fit" + (" --mode proxy" if mode == "proxy" else "")
             raise TrustModelNotFoundError(
-                f"no trust model for {model_id}{f' at {level}' if level else ''} in {self.root}; "
-                "run `sparseguard trust fit`"
+                f"no {mode}-mode trust model for {model_id}{f' at {level}' if level else ''} in "
+                f"{self.root}; run `{command}`"
             )
         return found[-1]

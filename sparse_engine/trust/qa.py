@@ -7,6 +7,7 @@ matches "1000"."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import string
@@ -17,7 +18,19 @@ from pathlib import Path
 from sparse_engine.data.qa_sets import QA_SETS, QAItem, qa_items
 from sparse_engine.runtime.generation import Message
 
-__all__ = ["HALUEVAL", "Grade", "QADataError", "QAItem", "grade", "load_qa", "qa_messages"]
+__all__ = [
+    "HALUEVAL",
+    "SPLITS",
+    "Grade",
+    "QADataError",
+    "QAItem",
+    "grade",
+    "in_passage",
+    "load_qa",
+    "qa_messages",
+    "qa_sample",
+]
+SPLITS = ("fit", "eval")
 
 HALUEVAL = "halueval"
 F1_CORRECT = 0.5  # an answer with token F1 at or above this counts as right
@@ -61,6 +74,29 @@ def load_qa(spec: str, home: Path) -> list[QAItem]:
             f"no QA data {spec!r}: give one of {', '.join(QA_SETS)} or a JSONL file path"
         )
     return [_item(row, num, path) for num, row in _rows(path)]
+
+
+def qa_sample(items: list[QAItem], split: str, n: int) -> list[int]:
+    """About `n` item indices of one half of the set: a grid of 2n items spread evenly over
+    it, kept where the item's passage (its question, without one) falls in `split` ('fit' or
+    'eval') by hash, so no passage is in both halves and a fit never sees the passages it is
+    evaluated on."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
+    if n < 1:
+        raise ValueError("n must be at least 1")
+    grid = sorted({k * len(items) // (2 * n) for k in range(min(2 * n, len(items)))})
+    return [i for i in grid if passage_split(items[i]) == split]
+
+
+def passage_split(item: QAItem) -> str:
+    key = (item.context or item.question).encode("utf-8")
+    return SPLITS[hashlib.sha256(key).digest()[0] % 2]
+
+
+def in_passage(answer: str, item: QAItem) -> bool:
+    """Whether the answer appears word for word (after normalising) in the item's passage."""
+    return _contains(answer_terms(item.context), answer_terms(answer)) if answer.strip() else False
 
 
 def qa_messages(item: QAItem) -> list[Message]:
@@ -110,7 +146,7 @@ def grade(answer: str, golds: tuple[str, ...]) -> Grade:
 
 def _contains(said: list[str], gold: list[str]) -> bool:
     n = len(gold)
-    return any(said[i : i + n] == gold for i in range(len(said) - n + 1))
+    return n > 0 and any(said[i : i + n] == gold for i in range(len(said) - n + 1))
 
 
 def _rows(path: Path) -> list[tuple[int, object]]:

@@ -23,13 +23,15 @@ _SIGNALS: dict[str, Reader] = {  # late_silence is read with the report's late b
     "sparsity_ratio": lambda s: s.sparsity_ratio,
     "activation_stability": lambda s: s.activation_stability,
     "context_overlap": lambda s: s.context_overlap,
-    "min_logprob": lambda s: s.min_logprob,
     "max_entropy": lambda s: s.max_entropy,
 }
-BASELINES: dict[str, Reader] = {
-    "answer_length": lambda s: float(s.length),
-    "mean_logprob": lambda s: s.mean_logprob,
-    "mean_entropy": lambda s: s.mean_entropy,
+# What a detector must beat (read off the record: "in_passage" needs the item's passage).
+BASELINES: dict[str, Callable[[QARecord], float]] = {
+    "answer_length": lambda r: float(r.signals.length),
+    "in_passage": lambda r: float(r.in_passage),
+    "mean_logprob": lambda r: r.signals.mean_logprob,
+    "min_logprob": lambda r: r.signals.min_logprob,
+    "mean_entropy": lambda r: r.signals.mean_entropy,
 }
 
 
@@ -110,7 +112,7 @@ def report(
     rows.append(_row("silence_deviation", "signal", deviation, wrong))
     rows.append(_row("late_silence", "signal", late, wrong))
     rows += [_row(n, "signal", list(map(f, signals)), wrong) for n, f in _SIGNALS.items()]
-    rows += [_row(n, "baseline", list(map(f, signals)), wrong) for n, f in BASELINES.items()]
+    rows += [_row(n, "baseline", list(map(f, records)), wrong) for n, f in BASELINES.items()]
     late_wrong = [v for v, w in zip(late, wrong, strict=True) if w]
     late_right = [v for v, w in zip(late, wrong, strict=True) if not w]
     return TrustReport(
@@ -132,12 +134,9 @@ def _row(name: str, kind: str, values: list[float], wrong: list[bool]) -> Signal
 
 
 def _held_out(model: TrustModel, data: dict[str, Any]) -> bool:
+    """Evaluated on another set, or on the other half of the same one (`trust.qa.qa_sample`)."""
     fitted = model.fit_data
-    if fitted.get("data") != data["data"]:
-        return True
-    start, end = int(fitted["offset"]), int(fitted["offset"]) + int(fitted["n"])
-    first, last = int(data["offset"]), int(data["offset"]) + int(data["n"])
-    return last <= start or first >= end
+    return bool(fitted.get("data") != data["data"] or fitted.get("split") != data["split"])
 
 
 def _mean(values: Sequence[float]) -> float:
