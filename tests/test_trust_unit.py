@@ -140,7 +140,7 @@ def test_answer_channel_probe_from_generation_and_teacher_forcing() -> None:
     request = GenerationRequest(prompt="Once upon a time", max_new_tokens=5, ignore_eos=True)
     stats = engine.generate(request, Level.BALANCED).result()
     assert stats.signals is not None and stats.signals.answer_channels is not None
-    width = engine.lm.layers[0].get("down").weight.shape[1]
+    width = int(engine.lm.model.config.intermediate_size)
     assert [len(row) for row in stats.signals.answer_channels] == [width] * engine.lm.num_layers
     sig = from_stats(stats, "Once upon a time")
     assert len(sig.probe) == width and len(stats.token_logprobs) == 5
