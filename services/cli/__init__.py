@@ -26,6 +26,7 @@ from services.cli import (
     probe,
     silence,
     trust,
+    trust_study,
     up,
 )
 from services.config import Settings
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         compress,
         silence,
         trust,
+        trust_study,
         kb,
         kernels,
     ):

@@ -52,6 +52,11 @@ def data_args(parser: argparse.ArgumentParser, n: int) -> None:
     parser.add_argument(
         "--data", default=HALUEVAL, help=f"{', '.join(QA_SETS)}, or a QA JSONL file"
     )
+    answer_args(parser, n)
+
+
+def answer_args(parser: argparse.ArgumentParser, n: int) -> None:
+    """How items are answered and scored: the arguments every trust command shares."""
     parser.add_argument("--n", type=int, default=n, help="items (about; from one half of the set)")
     parser.add_argument("--level", default="balanced", help="sparsity level to answer at")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="answer length")
