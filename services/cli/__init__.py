@@ -24,6 +24,7 @@ from services.cli import (
     kb,
     kernels,
     probe,
+    retrieval_study,
     silence,
     trust,
     trust_study,
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         silence,
         trust,
         trust_study,
+        retrieval_study,
         kb,
         kernels,
     ):

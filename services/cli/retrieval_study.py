@@ -1,0 +1,174 @@
+"""`sparseguard eval retrieval`: does fallback retrieval pay for itself? Closed book: each
+question of a QA set's eval half is asked without its passage; the knowledge base holds every
+passage of the set (a private SQLite database under <home>/eval). Accuracy is measured for
+never retrieving, always retrieving (the gateway's own prompt with the top passages) and
+retrieving only when the trust score falls under the level's flag threshold (the regenerated
+answer is the always-retrieve one: greedy decoding gives the same tokens), with the share of
+requests regenerated; and likewise for `simplify` against its own baseline. Also the whole
+trade-off: accuracy against the share regenerated, over every threshold."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from services.cli.common import emit, emit_json, eval_commands
+from services.config import Settings
+from services.gateway.fallback import simplified, with_passages
+from services.shared.engine import build_engine
+from services.storage import kb as knowledge
+from services.storage.db import make_engine, session_factory, upgrade
+from sparse_engine.data.qa_sets import QA_SETS
+from sparse_engine.runtime.engine import Engine
+from sparse_engine.runtime.generation import GenerationRequest, Message
+from sparse_engine.sparsity.plan import Level
+from sparse_engine.trust.features import from_stats
+from sparse_engine.trust.model import TrustModel, TrustStore
+from sparse_engine.trust.qa import QAItem, grade, load_qa, qa_messages, qa_sample
+
+log = logging.getLogger(__name__)
+Answer = tuple[bool, float]  # right, trust score
+
+
+def register(commands: Any) -> None:
+    cmd = eval_commands(commands).add_parser(
+        "retrieval", help="accuracy with never, always and low-trust retrieval, closed book"
+    )
+    cmd.add_argument("--data", default="halueval", choices=list(QA_SETS))
+    cmd.add_argument("--n", type=int, default=200, help="items (about; from the eval half)")
+    cmd.add_argument("--level", default="balanced")
+    cmd.add_argument("--k", type=int, default=3, help="passages per retrieval")
+    cmd.add_argument("--max-new-tokens", type=int, default=32)
+    cmd.add_argument("--model", help="model name, HF directory or GGUF file")
+    cmd.add_argument("--json", action="store_true", help="print the figures as JSON")
+    cmd.set_defaults(handler=run_retrieval)
+
+
+def run_retrieval(args: argparse.Namespace, settings: Settings) -> int:
+    if args.n < 1 or args.k < 1:
+        raise ValueError("--n and --k must be at least 1")
+    level = Level.parse(args.level)
+    items = load_qa(args.data, settings.cache_home)
+    indices = qa_sample(items, "eval", args.n)
+    eng = build_engine(settings, args.model)
+    model = TrustStore(settings.trust_dir).latest(eng.lm.model_id, level.value, "serve")
+    search = _knowledge_base(settings, args.data, items)
+    closed = [QAItem(items[i].question, items[i].answers) for i in indices]
+
+    def ask(name: str, prompt: Callable[[QAItem], list[Message]]) -> list[Answer]:
+        out = []
+        for item in tqdm(closed, unit="answer", desc=name):
+            out.append(_answer(eng, model, item, prompt(item), level, args.max_new_tokens))
+        return out
+
+    never = ask("never retrieve", qa_messages)
+    always = ask(
+        "always retrieve",
+        lambda item: with_passages(qa_messages(item), search(item.question, args.k), 800),
+    )
+    simple = ask("always simplify", lambda item: simplified(qa_messages(item)))
+    threshold = model.flag_thresholds.get(level.value, settings.trust.min_score)
+    figures = {
+        "data": args.data,
+        "n": len(indices),
+        "level": level.value,
+        "trust_model": model.version,
+        "flag_threshold": threshold,
+        "retrieve": _policy(never, always, threshold),
+        "simplify": _policy(never, simple, threshold),
+    }
+    if args.json:
+        emit_json(figures)
+    else:
+        _print(figures)
+    return 0
+
+
+def _answer(
+    eng: Engine,
+    model: TrustModel,
+    item: QAItem,
+    messages: list[Message],
+    level: Level,
+    max_new_tokens: int,
+) -> Answer:
+    request = GenerationRequest(
+        messages=messages, max_new_tokens=max_new_tokens, measure_drift=True, readout=True
+    )
+    stats = eng.generate(request, level).result()
+    score = model.score(from_stats(stats, messages[-1]["content"]))
+    return grade(stats.text, item.answers).correct, score
+
+
+def _policy(first: list[Answer], second: list[Answer], threshold: float) -> dict[str, Any]:
+    """Accuracy of the first answers, of the second ones, and of taking the second only where
+    the first's trust is under `threshold`; the share of the gain that recovers, and the curve
+    over every threshold (share regenerated, accuracy)."""
+    n = len(first)
+    base = sum(r for r, _ in first) / n
+    everywhere = sum(r for r, _ in second) / n
+    chosen = [b if s < threshold else a for (a, s), (b, _) in zip(first, second, strict=True)]
+    regenerated = sum(s < threshold for _, s in first) / n
+    on_low = sum(chosen) / n
+    gain = everywhere - base
+    order = sorted(range(n), key=lambda i: first[i][1])  # least trusted first
+    curve, right = [(0.0, round(base, 4))], sum(r for r, _ in first)
+    for taken, i in enumerate(order, 1):
+        right += second[i][0] - first[i][0]
+        curve.append((round(taken / n, 4), round(right / n, 4)))
+    return {
+        "never": round(base, 4),
+        "always": round(everywhere, 4),
+        "on_low_trust": round(on_low, 4),
+        "regenerated": round(regenerated, 4),
+        "gain_recovered": round((on_low - base) / gain, 4) if gain > 0 else None,
+        "curve": curve,
+    }
+
+
+def _knowledge_base(
+    settings: Settings, data: str, items: list[QAItem]
+) -> Callable[[str, int], list[knowledge.Hit]]:
+    """A search over every passage of the set, in its own SQLite database (made once)."""
+    path = settings.home / "eval" / f"kb-{data}.db"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    url = f"sqlite:///{path}"
+    upgrade(url)
+    sessions = session_factory(make_engine(url))
+    with sessions() as session:
+        if knowledge.count(session) == 0:
+            texts = dict.fromkeys(i.context for i in items if i.context)
+            passages = [
+                knowledge.Passage(data, "", piece)
+                for text in texts
+                for piece in knowledge.chunk(text, 800)
+            ]
+            result = knowledge.ingest(session, passages)
+            session.commit()
+            log.info("knowledge base %s: %d passages", Path(path).name, result.added)
+
+    def search(query: str, k: int) -> list[knowledge.Hit]:
+        with sessions() as session:
+            return knowledge.search(session, query, k)
+
+    return search
+
+
+def _print(f: dict[str, Any]) -> None:
+    emit(
+        f"{f['data']}, closed book, {f['n']} questions at {f['level']}; trust model "
+        f"{f['trust_model']}, flag threshold {f['flag_threshold']:.3f}"
+    )
+    for action in ("retrieve", "simplify"):
+        p = f[action]
+        recovered = "n/a" if p["gain_recovered"] is None else f"{100 * p['gain_recovered']:.0f} %"
+        emit(
+            f"{action:<9} never {p['never']:.3f}  always {p['always']:.3f}  on low trust "
+            f"{p['on_low_trust']:.3f} ({100 * p['regenerated']:.0f} % regenerated; "
+            f"{recovered} of the gain)"
+        )

@@ -1,0 +1,81 @@
+"""The parts of the trust studies that decide their figures: passage-disjoint halves, the
+length-matched control spans, the retrieval policies' arithmetic, and each matrix cell's
+baselines."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.cli.retrieval_study import _policy
+from services.cli.trust_study import _judged
+from sparse_engine.trust.evaluate import QARecord
+from sparse_engine.trust.features import RequestSignals
+from sparse_engine.trust.model import fit
+from sparse_engine.trust.proxy import control_answers, length_matched
+from sparse_engine.trust.qa import QAItem, answer_terms, qa_sample
+
+PASSAGE = (
+    "The bridge opened in 1932 after six years of work. Its main span is 503 metres long. "
+    "Engineers from Sydney and London designed the steel arch together."
+)
+
+
+def test_halves_never_share_a_passage() -> None:
+    items = [QAItem(f"q{i}", ("a",), f"passage {i // 3}") for i in range(300)]  # 3 per passage
+    fit_half, eval_half = qa_sample(items, "fit", 50), qa_sample(items, "eval", 50)
+    assert fit_half and eval_half and not set(fit_half) & set(eval_half)
+    assert not {items[i].context for i in fit_half} & {items[i].context for i in eval_half}
+    assert len(fit_half) + len(eval_half) == 100  # the grid of 2n, split between them
+    with pytest.raises(ValueError, match="choose one of fit, eval"):
+        qa_sample(items, "test", 10)
+
+
+@pytest.mark.parametrize(
+    ("gold", "kind"), [("1932", "number"), ("Sydney", "name"), ("steel arch", "words")]
+)
+def test_control_spans_match_the_gold_in_kind_and_length(gold: str, kind: str) -> None:
+    item = QAItem("question?", (gold,), PASSAGE)
+    pair = length_matched(item, random.Random(0))
+    assert pair is not None
+    right, wrong = pair
+    assert answer_terms(right) == answer_terms(gold)
+    assert len(wrong.split()) == len(gold.split()) and wrong in PASSAGE.replace(".", "")
+    assert not set(answer_terms(wrong)) & set(answer_terms(gold))
+    is_number = any(ch.isdigit() for ch in wrong)
+    assert is_number == (kind == "number")
+    if kind == "name":
+        assert all(w[:1].isupper() for w in wrong.split())
+
+
+def test_control_pairs_skip_golds_the_passage_does_not_hold() -> None:
+    items = [QAItem("q?", ("Melbourne",), PASSAGE), QAItem("q?", ("503",), PASSAGE)]
+    given = control_answers(items, [0, 1])
+    assert [(g.record, g.item, g.right) for g in given] == [(2, 1, True), (3, 1, False)]
+
+
+def test_retrieval_policy_arithmetic() -> None:
+    # Four questions: closed book right on the two trusted ones; retrieval fixes one of the
+    # two untrusted ones and breaks nothing the trust threshold keeps.
+    first = [(True, 0.9), (True, 0.8), (False, 0.1), (False, 0.2)]
+    second = [(False, 0.5), (True, 0.5), (True, 0.5), (False, 0.5)]
+    got = _policy(first, second, threshold=0.5)
+    assert (got["never"], got["always"], got["on_low_trust"]) == (0.5, 0.5, 0.75)
+    assert got["regenerated"] == 0.5 and got["gain_recovered"] is None  # always gains nothing
+    assert got["curve"][0] == (0.0, 0.5) and got["curve"][2] == (0.5, 0.75)
+    assert got["curve"][-1] == (1.0, got["always"])
+
+
+def test_matrix_cells_report_the_best_baseline_in_its_better_direction() -> None:
+    rng = random.Random(3)
+    records = []
+    for i in range(120):
+        right = i % 2 == 0
+        sig = RequestSignals(mean_logprob=rng.gauss(-0.5 if right else -1.5, 0.4), length=i % 7)
+        records.append(QARecord(i, "x", right, float(right), right, sig, in_passage=not right))
+    model = fit([r.signals for r in records], [r.correct for r in records], model_id="m",
+                level="balanced", fit_data={})  # fmt: skip
+    cell = _judged(model, records)
+    assert cell["best_baseline"] == "in_passage" and cell["best_baseline_auroc"] == 1.0
+    assert cell["trust_auroc"] > 0.8 and cell["n"] == 120 and cell["wrong"] == 60
