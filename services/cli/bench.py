@@ -6,6 +6,7 @@ import argparse
 import logging
 import resource
 import statistics
+import time
 from typing import Any
 
 import torch
@@ -19,6 +20,8 @@ from sparse_engine.data.splits import evaluation_tokens
 from sparse_engine.evaluation.perplexity import perplexity
 from sparse_engine.runtime.engine import Engine, GenerationRequest
 from sparse_engine.sparsity.plan import Level
+from sparse_engine.trust.features import from_stats
+from sparse_engine.trust.model import TrustModel, TrustModelNotFoundError, TrustStore
 
 log = logging.getLogger(__name__)
 BENCH_PROMPT = (
@@ -101,6 +104,11 @@ def run_engine(args: argparse.Namespace, settings: Settings) -> int:
         report["signal_cost_ratio"] = round(
             signal_cost(eng, Level.BALANCED, args.new_tokens, 4 * args.repeats), 3
         )
+        model = _trust_model(settings, eng)
+        report["trust_model"] = model.version if model else None
+        report["trust_cost_ratio"] = round(
+            trust_cost(eng, Level.BALANCED, args.new_tokens, 4 * args.repeats, model), 3
+        )
     if args.json:
         emit_json(report)
         return 0
@@ -121,6 +129,11 @@ def run_engine(args: argparse.Namespace, settings: Settings) -> int:
             f"signal cost (balanced decode time, signals on / off, median of "
             f"{4 * args.repeats} back-to-back pairs): {ratio:.3f}x"
         )
+        emit(
+            f"trust cost (balanced request latency, readout and trust score on / off, median of "
+            f"{4 * args.repeats} back-to-back pairs; trust model "
+            f"{report['trust_model'] or 'none: readout only'}): {report['trust_cost_ratio']:.3f}x"
+        )
     emit(f"peak RSS: {report['peak_rss_mib']} MiB")
     return 0
 
@@ -136,6 +149,34 @@ def signal_cost(eng: Engine, level: Level, new_tokens: int, pairs: int) -> float
         )
         ratios.append(float(off) / float(on))
     return statistics.median(ratios)
+
+
+def trust_cost(
+    eng: Engine, level: Level, new_tokens: int, pairs: int, model: TrustModel | None
+) -> float:
+    """A request's latency (prefill, decode and, when on, the readout and the trust model's
+    score) with the trust features over without: median ratio of back-to-back pairs."""
+    messages = [{"role": "user", "content": BENCH_PROMPT}]
+
+    def latency(readout: bool) -> float:
+        request = GenerationRequest(
+            messages=messages, max_new_tokens=new_tokens, ignore_eos=True, readout=readout
+        )
+        started = time.perf_counter()
+        stats = eng.generate(request, level).result()
+        if readout and model is not None:
+            model.score(from_stats(stats, BENCH_PROMPT))
+        return time.perf_counter() - started
+
+    latency(True)  # warm-up
+    return statistics.median(latency(True) / latency(False) for _ in range(pairs))
+
+
+def _trust_model(settings: Settings, eng: Engine) -> TrustModel | None:
+    try:
+        return TrustStore(settings.trust_dir).latest(eng.lm.model_id, Level.BALANCED.value)
+    except TrustModelNotFoundError:
+        return None
 
 
 def measure(

@@ -164,10 +164,7 @@ class FastDecoder:
             self.channels, self.counts, *rows, prompt_len,
         )  # fmt: skip
         if reading and readout is not None:
-            for i in range(len(self.layers)):
-                readout.observe_hidden(i, self.hidden_rows[i][None], pos)
-                on_prompt, entropy = self.attention_rows[i].T
-                readout.observe_stats(i, on_prompt[None], entropy[None])
+            readout.observe_step(self.hidden_rows, self.attention_rows, pos)
         self.length = pos + 1
         self.tokens.append(token)
         self.weights_read += float(self.counts[:, 4].sum())

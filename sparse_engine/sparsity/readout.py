@@ -113,6 +113,20 @@ class Readout:
         self.entropy[layer] += entropy.sum(0, dtype=torch.float64)
         self.queries[layer] += on_prompt.shape[0]
 
+    def observe_step(self, hidden: torch.Tensor, attention: torch.Tensor, pos: int) -> None:
+        """One decode step of every layer at once: hidden (layers, width) each layer's output,
+        attention (layers, heads, 2) each head's share on the prompt and entropy, for the
+        query at `pos` (the bulk form of `observe_hidden` and `observe_stats`)."""
+        if self.limit is not None and pos >= self.limit:
+            return
+        rows = hidden[list(self.layers)]
+        for slot in range(len(self.layers)):
+            self.observe_hidden(self.layers[slot], rows[slot : slot + 1], pos)
+        if pos >= self.prompt_len - 1:
+            self.lookback += attention[..., 0]
+            self.entropy += attention[..., 1]
+            self.queries += 1
+
     def result(self) -> AnswerReadout:
         hidden = self.hidden.clone()
         hidden[2] /= max(self.answer_rows, 1)
