@@ -15,12 +15,15 @@ from dashboards.model import Dashboard
 from dashboards.overview import overview
 from dashboards.pipeline import PIPELINE
 from dashboards.silence import silence
-from services.config import SignalSettings
+from services.config import SignalSettings, TrustSettings
 
 
-def dashboards(signals: SignalSettings | None = None) -> tuple[Dashboard, ...]:
-    """The four dashboards, drawn with `signals`' thresholds (default: the published ones)."""
-    return (overview(signals), silence(signals), PIPELINE, jobs(signals))
+def dashboards(
+    signals: SignalSettings | None = None, trust: TrustSettings | None = None
+) -> tuple[Dashboard, ...]:
+    """The four dashboards, drawn with `signals`' thresholds and `trust`'s flag budget
+    (default: the published ones)."""
+    return (overview(signals, trust), silence(signals), PIPELINE, jobs(signals))
 
 
 DASHBOARDS = dashboards()  # with the published thresholds: the committed JSON
@@ -36,11 +39,13 @@ def render(dashboard: Dashboard) -> str:
     return json.dumps(dashboard.to_json(), indent=2, sort_keys=True) + "\n"
 
 
-def write_all(out: Path = JSON_DIR, signals: SignalSettings | None = None) -> list[Path]:
+def write_all(
+    out: Path = JSON_DIR, signals: SignalSettings | None = None, trust: TrustSettings | None = None
+) -> list[Path]:
     """Write every dashboard to `out/<uid>.json`; returns the paths written."""
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    for dashboard in dashboards(signals):
+    for dashboard in dashboards(signals, trust):
         path = out / f"{dashboard.uid}.json"
         path.write_text(render(dashboard), encoding="utf-8")
         paths.append(path)

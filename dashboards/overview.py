@@ -5,15 +5,19 @@ from __future__ import annotations
 
 from dashboards.model import Dashboard, Panel, Row, Target
 from dashboards.promql import KEY, quantiles, rate, select, window
-from services.config import SignalSettings
+from services.config import SignalSettings, TrustSettings
 
 PER_KEY = "{{model}} {{level}}"
 CACHE_HIT_HEALTHY = 0.85  # drawn green from here: a warm prefix cache (no alert reads it)
 
 
-def overview(signals: SignalSettings | None = None) -> Dashboard:
-    """The dashboard with `signals`' thresholds (default: the published ones)."""
+def overview(
+    signals: SignalSettings | None = None, trust: TrustSettings | None = None
+) -> Dashboard:
+    """The dashboard with `signals`' thresholds and `trust`'s flag budget (default: the
+    published ones)."""
     signals = signals or SignalSettings()
+    trust = trust or TrustSettings()
     low, high = signals.gate_band
     monotonous = signals.monotonous_confidence
     return Dashboard(
@@ -135,14 +139,33 @@ def overview(signals: SignalSettings | None = None) -> Dashboard:
                 unit="reqps",
             ),
             Panel(
-                "Trust score (gateway)",
+                "Trust action rate",
+                (
+                    Target(
+                        "sum by (model, level) (rate(sparseguard_trust_actions_total{"
+                        'action!="none", level=~"$level"}[$__rate_interval])) / sum by (model, '
+                        'level) (rate(sparseguard_trust_actions_total{level=~"$level"}'
+                        "[$__rate_interval]))",
+                        PER_KEY,
+                    ),
+                ),
+                description="Share of answers with a trust action (flag, retrieve, simplify); the "
+                f"line is the flag budget ({trust.flag_budget:g}): the share of healthy answers "
+                "each level's threshold may flag.",
+                unit="percentunit",
+                min=0,
+                steps=((trust.flag_budget, "red"),),
+                show_thresholds="line",
+            ),
+            Panel(
+                "Trust score distribution (gateway)",
                 tuple(
                     Target(
                         f"histogram_quantile({q}, sum by (le, level) (rate("
                         f'sparseguard_gateway_trust_score_bucket{{level=~"$level"}}[$__rate_interval])))',
                         f"p{round(q * 100)} {{{{level}}}}",
                     )
-                    for q in (0.1, 0.5)
+                    for q in (0.05, 0.25, 0.5, 0.75, 0.95)
                 ),
                 description="Trust of each answer before any action: the trust model's probability "
                 "that it is right (1 - late-layer silence without a model).",

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
+from services.gateway.routes.status import trust_summaries
 from services.storage import repository
 from services.storage.db import make_engine, session_factory
 from services.storage.models import AlertRecord
@@ -65,6 +66,7 @@ def test_status_reads_pick_current_recent_and_latest_rows(
         history = repository.snapshots_since(session, "5m", since)
         alerts = repository.recent_alerts(session)
         trust = repository.recent_trust_actions(session, t0 - timedelta(hours=1))
+        scores = repository.trust_scores(session, t0 - timedelta(hours=1))
         calibrations = repository.recent_calibrations(session)
     assert [(s.level, s.window, s.window_end) for s in current] == [
         (level, window, t0 + timedelta(minutes=2))
@@ -76,6 +78,10 @@ def test_status_reads_pick_current_recent_and_latest_rows(
     ]
     assert [(a.fingerprint, a.state) for a in alerts] == [("a", "firing"), ("b", "resolved")]
     assert [row.trace_id for row in trust] == ["flag"]
+    assert sorted(action for *_, action in scores) == ["flag", "none", "none"]  # unset: none
+    summary = trust_summaries(scores, budget=0.05)
+    assert [(t.requests, t.actions, t.histogram.count(0)) for t in summary] == [(3, 1, 9)]
+    assert summary[0].action_rate == pytest.approx(1 / 3) and summary[0].budget == 0.05
     assert [c.version for c in calibrations] == ["v2", "v1"]
 
 

@@ -27,13 +27,13 @@ def register(commands: Any) -> None:
 
 
 def run_generate(args: argparse.Namespace, settings: Settings) -> int:
-    for path in write_all(args.out, settings.signals):
+    for path in write_all(args.out, settings.signals, settings.trust):
         emit(str(path))
     return 0
 
 
 def run_push(args: argparse.Namespace, settings: Settings) -> int:
-    found = [dashboard.to_json() for dashboard in dashboards(settings.signals)]
+    found = [dashboard.to_json() for dashboard in dashboards(settings.signals, settings.trust)]
     for uid, url in push(found, args.grafana_url, args.token, args.folder, args.timeout):
         emit(f"{uid} {url}")
     return 0

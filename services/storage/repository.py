@@ -270,6 +270,25 @@ def recent_trust_actions(
     return list(session.scalars(statement))
 
 
+def trust_scores(
+    session: Session, since: datetime, limit: int = 5000
+) -> list[tuple[str, str, float, str]]:
+    """(model, level, trust score, action) of the latest scored requests since `since`."""
+    statement = (
+        select(
+            RequestSummary.model,
+            RequestSummary.level,
+            RequestSummary.trust_score,
+            RequestSummary.trust_action,
+        )
+        .where(RequestSummary.time >= since, RequestSummary.trust_score.is_not(None))
+        .order_by(RequestSummary.time.desc(), RequestSummary.id.desc())
+        .limit(limit)
+    )
+    rows = session.execute(statement)
+    return [(m, lv, float(score or 0.0), action or "none") for m, lv, score, action in rows]
+
+
 def recent_calibrations(session: Session, limit: int = 20) -> list[CalibrationRecord]:
     """Calibration versions, newest first, without their (large) artefacts."""
     statement = (

@@ -34,6 +34,7 @@ router = APIRouter(prefix="/status")
 
 SERIES_WINDOW = "5m"
 SERIES_SPAN = timedelta(hours=1)
+QUANTILES = (5, 25, 50, 75, 95)
 RECENT_SPAN = timedelta(hours=24)  # windows and trust actions older than this are not shown
 NO_SNAPSHOTS = (
     "No window snapshots in SQL yet. Run the aggregator (`sparseguard aggregator`) on this "
@@ -107,6 +108,20 @@ class TrustActionView(BaseModel):
     trust_action: str
 
 
+class TrustSummary(BaseModel):
+    """One key's trust scores over the last 24 h: how they spread (ten bins over [0, 1],
+    quartiles) and the share of answers with an action against the flag budget."""
+
+    model: str
+    level: str
+    requests: int
+    actions: int
+    action_rate: float
+    budget: float
+    quantiles: dict[str, float]  # p5, p25, p50, p75, p95
+    histogram: list[int]  # counts per tenth of [0, 1]
+
+
 class CalibrationView(BaseModel):
     model_config = ConfigDict(from_attributes=True)
     version: str
@@ -151,6 +166,7 @@ class StatusData(BaseModel):
     series: list[Series]
     alerts: list[AlertView]
     trust_actions: list[TrustActionView]
+    trust: list[TrustSummary]
     calibrations: list[CalibrationView]
     golden: list[GoldenView]
 
@@ -180,6 +196,35 @@ def status_data(rt: RuntimeDep, _: AdminDep, response: Response) -> StatusData:
         raise ApiError(503, "the status database cannot be read; see the gateway log") from None
 
 
+def trust_summaries(rows: list[tuple[str, str, float, str]], budget: float) -> list[TrustSummary]:
+    keyed: dict[tuple[str, str], list[tuple[float, str]]] = {}
+    for model, level, score, action in rows:
+        keyed.setdefault((model, level), []).append((score, action))
+    out = []
+    for (model, level), found in sorted(keyed.items()):
+        scores = sorted(score for score, _ in found)
+        actions = sum(action != "none" for _, action in found)
+        bins = [0] * 10
+        for score in scores:
+            bins[min(9, max(0, int(score * 10)))] += 1
+        quantile = {
+            f"p{q}": scores[min(len(scores) - 1, q * len(scores) // 100)] for q in QUANTILES
+        }
+        out.append(
+            TrustSummary(
+                model=model,
+                level=level,
+                requests=len(found),
+                actions=actions,
+                action_rate=actions / len(found),
+                budget=budget,
+                quantiles=quantile,
+                histogram=bins,
+            )
+        )
+    return out
+
+
 def _read(session: Session, now: datetime, serving: Serving, settings: Settings) -> StatusData:
     signals = settings.signals
     current = repository.current_snapshots(session, now - RECENT_SPAN)
@@ -197,6 +242,9 @@ def _read(session: Session, now: datetime, serving: Serving, settings: Settings)
         series=_series(history),
         alerts=[_alert(a) for a in repository.recent_alerts(session)],
         trust_actions=[TrustActionView.model_validate(row) for row in trust],
+        trust=trust_summaries(
+            repository.trust_scores(session, now - RECENT_SPAN), settings.trust.flag_budget
+        ),
         calibrations=[
             CalibrationView.model_validate(c) for c in repository.recent_calibrations(session)
         ],
