@@ -119,9 +119,8 @@ def golden_check(args: argparse.Namespace, settings: Settings) -> int:
 
 def trust_fit(args: argparse.Namespace, settings: Settings) -> int:
     level = args.level or settings.engine.default_level
-    return _submit(
-        args, settings, "trust_fit", {"n": args.n, "level": level, "if_missing": args.if_missing}
-    )
+    params = {"n": args.n, "level": level, "if_missing": args.if_missing}
+    return _submit(args, settings, "trust_fit", {**params, "mode": settings.gateway.mode})
 
 
 def measure_baseline(args: argparse.Namespace, settings: Settings) -> int:

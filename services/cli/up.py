@@ -138,11 +138,12 @@ def queue_trust_fit(settings: Settings, n: int) -> int | None:
     model (and none is pinned). It runs now that the stack is up, rather than before, so the
     first serve does not wait minutes for it: until it publishes the model on the control
     topic, where the gateway installs it, trust is the rule score."""
-    level = settings.engine.default_level
+    level, mode = settings.engine.default_level, settings.gateway.mode
     model_id = resolve_model(settings.engine.model, settings.cache_home).name  # as load_model
-    if settings.trust.model_version or _has_trust_model(settings, model_id, level):
+    if settings.trust.model_version or _has_trust_model(settings, model_id, level, mode):
         return None
-    job_id = _queue(settings, "trust_fit", FitSpec(n=n, level=level, if_missing=True).params())
+    spec = FitSpec(n=n, level=level, mode=mode, if_missing=True)
+    job_id = _queue(settings, "trust_fit", spec.params())
     log.info(
         "no trust model for %s at %s yet: job %d fits one on the worker (%d items, minutes); "
         "the gateway scores trust by the rule until it arrives. Follow it with "
@@ -183,9 +184,9 @@ def _queue(settings: Settings, kind: str, params: dict[str, Any]) -> int:
         engine.dispose()
 
 
-def _has_trust_model(settings: Settings, model_id: str, level: str) -> bool:
+def _has_trust_model(settings: Settings, model_id: str, level: str, mode: str) -> bool:
     try:
-        TrustStore(settings.trust_dir).latest(model_id, level)
+        TrustStore(settings.trust_dir).latest(model_id, level, mode)
     except TrustModelNotFoundError:
         return False
     return True
