@@ -14,6 +14,7 @@ from services.storage.kb import Passage
 from sparse_engine.calibration.store import CalibrationStore
 from sparse_engine.model.loader import LoadedModel
 from sparse_engine.runtime.engine import Engine
+from sparse_engine.trust.qa import SPLITS, load_qa, qa_sample
 from tests.gateway_fixtures import RecordingSink, running_gateway
 from tests.test_trust_gateway import (
     FACT,
@@ -25,18 +26,23 @@ from tests.test_trust_gateway import (
 
 pytestmark = pytest.mark.slow
 
-QA = [
-    {"question": "What is the capital of France?", "answer": "Paris"},
-    {"question": "What colour is the sky on a clear day?", "answers": ["blue"]},
-    {
-        "question": "Who wrote the novel in the passage?",
-        "context": "The novel Zorblax was written by Mira Tendel in 1931.",
-        "answer": "Mira Tendel",
-    },
-    {"question": "What is the square root of 1369?", "answer": "37"},
-    {"question": "Which planet is the largest in the solar system?", "answer": "Jupiter"},
-    {"question": "What is the chemical symbol of gold?", "answer": "Au"},
+EASY = [
+    ("What is the capital of France?", "Paris"),
+    ("What colour is the sky on a clear day?", "blue"),
+    ("Which planet is the largest in the solar system?", "Jupiter"),
+    ("How many days are in a week?", "seven"),
+    ("What is the opposite of hot?", "cold"),
+    ("What is the capital of Germany?", "Berlin"),
+    ("What is the capital of Spain?", "Madrid"),
+    ("What is frozen water called?", "ice"),
+    ("What is the capital of Japan?", "Tokyo"),
+    ("What colour is grass?", "green"),
+    ("What is the capital of Italy?", "Rome"),
+    ("What animal says moo?", "cow"),
 ]
+# Questions nobody can answer: wrong answers in both halves of the file.
+HARD = [(f"What is the seven-digit code printed on ticket {n}?", "4471902") for n in range(12)]
+QA = [{"question": q, "answer": a} for q, a in EASY + HARD]
 
 
 def test_retrieval_puts_the_fact_into_smollm_s_answer(
@@ -60,20 +66,27 @@ def test_retrieval_puts_the_fact_into_smollm_s_answer(
 
 
 def test_trust_fit_and_eval_cli_on_a_qa_file(
-    cli_home: Path, capsys: pytest.CaptureFixture[str]
+    cli_home: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("SPARSEGUARD_TRUST__FLAG_REQUESTS", "20")  # healthy chat per level
     qa = cli_home / "qa.jsonl"
     qa.write_text("\n".join(json.dumps(row) for row in QA))
-    common = ["--data", str(qa), "--max-new-tokens", "12"]
-    assert main(["trust", "fit", *common, "--n", "6"]) == 0
-    assert "trust model trust-balanced-" in capsys.readouterr().out
-    assert main(["eval", "trust", *common, "--n", "6", "--json"]) == 0
+    common = ["--data", str(qa), "--max-new-tokens", "12", "--n", str(len(QA) // 2)]
+    fit_half, eval_half = (
+        len(qa_sample(load_qa(str(qa), cli_home), s, len(QA) // 2)) for s in SPLITS
+    )
+    assert main(["trust", "fit", *common]) == 0
+    out = capsys.readouterr().out
+    assert "trust model trust-serve-balanced-" in out and f"{fit_half} answers" in out
+    assert main(["eval", "trust", *common, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["n"] == 6 and report["held_out"] is False  # evaluated on its own fit data
-    assert 0 < report["right"] < 6
+    assert report["n"] == eval_half and report["held_out"] is True  # the other half
+    assert 0 < report["right"] < eval_half
     names = {row["name"] for row in report["rows"]}
-    assert {"trust_score", "late_silence", "mean_logprob", "answer_length"} <= names
+    assert {"trust_score", "in_passage", "min_logprob", "answer_length"} <= names
+    assert main(["eval", "trust", *common, "--split", "fit", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["held_out"] is False  # its own fit data
     records = list((cli_home / "trust" / "records").glob("*.jsonl"))
-    assert len(records) == 1 and len(records[0].read_text().splitlines()) == 6  # reused
-    assert main(["eval", "trust", "--data", str(qa), "--n", "7"]) == 2
-    assert "reaches past the end" in capsys.readouterr().err
+    assert len(records) == 1 and len(records[0].read_text().splitlines()) == len(QA)  # reused
+    assert main(["eval", "trust", *common, "--upstream", "SmolLM2-135M-Instruct"]) == 2
+    assert "add --mode proxy" in capsys.readouterr().err

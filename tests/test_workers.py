@@ -328,11 +328,11 @@ def test_a_trust_fit_job_on_a_worker_reaches_a_running_gateway_without_a_restart
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the worker's thread count: the same greedy answers
     try:
-        qa = write_qa(tmp_path / "qa.jsonl", qa_items(engine, 8, 3))
+        qa = write_qa(tmp_path / "qa.jsonl", qa_items(engine, 20, 3))
     finally:
         torch.set_num_threads(threads)
     sessions = sessions_for(settings)
-    params = {"data": str(qa), "n": 8, "level": "dense", "max_new_tokens": 3, "if_missing": True}
+    params = {"data": str(qa), "n": 10, "level": "dense", "max_new_tokens": 3, "if_missing": True}
     app = create_app(settings, engine=engine, sink=RecordingSink())
     with serve(app):
         runtime = app.state.runtime
