@@ -197,13 +197,9 @@ def fit(
     drift_default = sum(drifts) / len(drifts) if drifts else 0.0
     values = group_vectors(signals, baseline, drift_default, late_band)
     y = torch.tensor(correct, dtype=torch.float64)
-    grid = [
-        (names, k, penalty)
-        for names in candidates(values)
-        for k in COMPONENTS
-        for penalty in ((l2,) if l2 is not None else L2_GRID)
-    ]
-    scored = _cross_validate(values, y, grid)
+    penalties = (l2,) if l2 is not None else L2_GRID
+    settings = [(names, k) for names in candidates(values) for k in COMPONENTS]
+    scored = _cross_validate(values, y, settings, penalties)
     (names, k, penalty), cv = max(scored, key=lambda item: item[1])
     groups, weights, bias = _fit_groups(values, y, names, k, penalty)
     log.info("trust model: groups %s, %d components, l2 %s, cv AUROC %.3f", names, k, penalty, cv)
@@ -231,36 +227,53 @@ def fit(
     )
 
 
+Setting = tuple[tuple[str, ...], int, float]  # groups, components, penalty
+
+
 def _cross_validate(
-    values: Vectors, y: torch.Tensor, grid: list[tuple[tuple[str, ...], int, float]]
-) -> list[tuple[tuple[tuple[str, ...], int, float], float]]:
-    """Mean AUROC over FOLDS interleaved folds of each setting (NaN when a fold lacks a class:
-    then the first setting, the scalar signals alone, wins)."""
+    values: Vectors,
+    y: torch.Tensor,
+    settings: list[tuple[tuple[str, ...], int]],
+    penalties: Sequence[float],
+) -> list[tuple[Setting, float]]:
+    """Mean AUROC over FOLDS interleaved folds of each setting and penalty (the transforms fit
+    once per fold and setting); NaN when a fold lacks a class: then the first setting, the
+    scalar signals alone, wins."""
     folds = [torch.arange(len(y))[k::FOLDS] for k in range(FOLDS)]
-    out = []
-    for names, k, penalty in grid:
-        aucs = []
+    aucs: dict[Setting, list[float]] = {}
+    for names, k in settings:
         for test in folds:
             train = torch.ones(len(y), dtype=torch.bool)
             train[test] = False
-            part = {n: values[n][train] for n in names}
-            groups, w, b = _fit_groups(part, y[train], names, k, penalty)
-            x = torch.cat([g.apply(values[g.name][test]) for g in groups], dim=1)
-            aucs.append(auroc((-(x @ w + b)).tolist(), (y[test] == 0).tolist()))
-        mean = sum(aucs) / len(aucs)
-        out.append(((names, k, penalty), -math.inf if math.isnan(mean) else mean))
-    if all(math.isinf(a) for _, a in out):
-        return [(grid[0], math.nan)]
-    return out
+            groups = _transforms({n: values[n][train] for n in names}, names, k)
+            x_train = torch.cat([g.apply(values[g.name][train]) for g in groups], dim=1)
+            x_test = torch.cat([g.apply(values[g.name][test]) for g in groups], dim=1)
+            for penalty in penalties:
+                w, b = _logistic_regression(x_train, y[train], penalty)
+                wrong = (y[test] == 0).tolist()
+                aucs.setdefault((names, k, penalty), []).append(
+                    auroc((-(x_test @ w + b)).tolist(), wrong)
+                )
+    out = [(setting, sum(a) / len(a)) for setting, a in aucs.items()]
+    if all(math.isnan(a) for _, a in out):
+        return [(out[0][0], math.nan)]
+    return [(setting, -math.inf if math.isnan(a) else a) for setting, a in out]
 
 
 def _fit_groups(
     values: Vectors, y: torch.Tensor, names: Sequence[str], k: int, l2: float
 ) -> tuple[list[Group], torch.Tensor, float]:
+    groups = _transforms(values, names, k)
+    x = torch.cat([g.apply(values[g.name]) for g in groups], dim=1)
+    w, b = _logistic_regression(x, y, l2)
+    return groups, w, b
+
+
+def _transforms(values: Vectors, names: Sequence[str], k: int) -> list[Group]:
+    """Each group's transform, scaled so that every projected column has unit spread on
+    `values` (the penalty then treats every input alike)."""
     groups = [Group.fit(n, values[n], k) for n in names]
     x = torch.cat([g.apply(values[g.name]) for g in groups], dim=1)
-    # The projected groups are rescaled into the first transform so the penalty treats every
-    # input alike: fold the column spread into the axes (or the std) of each group.
     spread = x.std(0, unbiased=False).clamp_min(1e-6)
     start = 0
     for g in groups:
@@ -271,9 +284,7 @@ def _fit_groups(
         else:
             g.std = (torch.tensor(g.std, dtype=torch.float64) * part).tolist()
         start += width
-    x = torch.cat([g.apply(values[g.name]) for g in groups], dim=1)
-    w, b = _logistic_regression(x, y, l2)
-    return groups, w, b
+    return groups
 
 
 def _logistic_regression(x: torch.Tensor, y: torch.Tensor, l2: float) -> tuple[torch.Tensor, float]:
