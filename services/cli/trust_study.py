@@ -51,12 +51,13 @@ def _sets_args(parser: argparse.ArgumentParser) -> None:
 def run_matrix(args: argparse.Namespace, settings: Settings) -> int:
     sets = _sets(args)
     eng = build_engine(settings, args.model)
+    upstream = build_engine(settings, args.upstream) if args.upstream else None
     records: dict[tuple[str, str], list[QARecord]] = {}
     for name in sets:
         for split in ("fit", "eval"):
             spec = spec_of(argparse.Namespace(**{**vars(args), "data": name}), split)
             with tqdm(total=spec.n, unit="answer", desc=f"{name} ({split} half)") as bar:
-                records[name, split] = answers(settings, eng, spec, progress=bar.update)
+                records[name, split] = answers(settings, eng, spec, bar.update, upstream)
     cells = []
     for train in sets:
         fitted = records[train, "fit"]

@@ -71,11 +71,15 @@ class FitSpec(BaseModel):
 
 
 def answers(
-    settings: Settings, eng: Engine, spec: FitSpec, progress: Progress = lambda _: None
+    settings: Settings,
+    eng: Engine,
+    spec: FitSpec,
+    progress: Progress = lambda _: None,
+    upstream: Engine | None = None,
 ) -> list[QARecord]:
     """Graded answers with their signals and readout, of the served model (serve mode) or
     scored teacher-forced (proxy mode), cached under the trust directory so an interrupted run
-    resumes where it stopped."""
+    resumes where it stopped. `upstream`: the spec's upstream model, already loaded."""
     items = load_qa(spec.data, settings.cache_home)
     indices = qa_sample(items, spec.split, spec.n)
     level = Level.parse(spec.level)
@@ -90,7 +94,8 @@ def answers(
     )
     if spec.mode == "serve":
         return collect(eng, items, indices, level, records_at, progress=progress)
-    upstream = build_engine(settings, spec.upstream) if spec.upstream else eng
+    if upstream is None:
+        upstream = build_engine(settings, spec.upstream) if spec.upstream else eng
     name = f"{upstream.lm.model_id}-{Path(spec.data).stem}-{spec.max_new_tokens}t.jsonl"
     where = settings.trust_dir / "upstream" / name
     given = upstream_answers(upstream, items, indices, spec.max_new_tokens, where, progress)
