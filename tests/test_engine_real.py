@@ -115,8 +115,12 @@ def test_fast_path_reuses_the_cached_prefix(fast_engine: Engine) -> None:
     assert cold.cached_tokens == 0 and warm.cached_tokens > len(SHARED_SYSTEM) // 8
     assert warm.token_ids == cold.token_ids
     assert warm.signals is not None and cold.signals is not None
+    # The reused prefix was computed in another request's prefill chunk, the cold one inside
+    # the whole prompt's: the matrix products round differently, and on this AVX-512 machine
+    # about 30 of layer 25's ~150,000 down-projection inputs sat close enough to their
+    # threshold to fall the other way (2e-4 of the layer's sparsity).
     assert warm.signals.sparsity_per_layer == pytest.approx(
-        cold.signals.sparsity_per_layer, abs=1e-4
+        cold.signals.sparsity_per_layer, abs=5e-4
     )
     assert warm.signals.silence_rate_per_layer == pytest.approx(
         cold.signals.silence_rate_per_layer, abs=1e-4
