@@ -116,11 +116,12 @@ def test_fast_path_reuses_the_cached_prefix(fast_engine: Engine) -> None:
     assert warm.token_ids == cold.token_ids
     assert warm.signals is not None and cold.signals is not None
     # The reused prefix was computed in another request's prefill chunk, the cold one inside
-    # the whole prompt's: the matrix products round differently, and on this AVX-512 machine
-    # about 30 of layer 25's ~150,000 down-projection inputs sat close enough to their
-    # threshold to fall the other way (2e-4 of the layer's sparsity).
+    # the whole prompt's: the matrix products round differently and down-projection inputs that
+    # sit on their threshold fall the other way. Measured: 2e-4 of layer 25's sparsity on one
+    # AVX-512 machine, 1.3e-3 of layers 27 and 29 on another (CI); silence and gate confidence
+    # stayed within 1e-4 and 1e-5 on both.
     assert warm.signals.sparsity_per_layer == pytest.approx(
-        cold.signals.sparsity_per_layer, abs=5e-4
+        cold.signals.sparsity_per_layer, abs=2.5e-3
     )
     assert warm.signals.silence_rate_per_layer == pytest.approx(
         cold.signals.silence_rate_per_layer, abs=1e-4

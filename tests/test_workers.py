@@ -41,6 +41,7 @@ from sparse_engine.data.corpora import mtbench_questions, mtbench_references
 from sparse_engine.model.loader import LoadedModel, load_model
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.sparsity.plan import Level
+from sparse_engine.trust.qa import load_qa, qa_sample
 from tests.gateway_fixtures import RecordingSink
 from tests.polling import wait_until
 from tests.test_trust_reload import qa_items, trust_messages, write_qa
@@ -348,7 +349,10 @@ def test_a_trust_fit_job_on_a_worker_reaches_a_running_gateway_without_a_restart
             wait_until(lambda: serving_versions(runtime.trust)["default"] == version, 30, 0.2)
         finally:
             worker.stop()
-    assert job.result["items"] == 8 and 0 < job.result["right"] < 8
+    # The fit half of the file: the items whose passage hashes to it (the greedy answers, and
+    # so the passages, vary with the machine's arithmetic).
+    fit_items = len(qa_sample(load_qa(str(qa), tmp_path / "cache"), "fit", 10))
+    assert job.result["items"] == fit_items and 0 < job.result["right"] < fit_items
     (message,) = trust_messages(kafka_broker.bootstrap, settings.telemetry.control_topic)
     assert (message.model.version, message.reason) == (version, "first-serve")
     assert message.model.fit_data["job_id"] == job_id

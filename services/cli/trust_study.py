@@ -59,18 +59,21 @@ def run_matrix(args: argparse.Namespace, settings: Settings) -> int:
             with tqdm(total=spec.n, unit="answer", desc=f"{name} ({split} half)") as bar:
                 records[name, split] = answers(settings, eng, spec, bar.update, upstream)
     cells = []
-    for train in sets:
-        fitted = records[train, "fit"]
+    pools = {name: [name] for name in sets} | {"all": sets}
+    pools |= {f"all but {name}": [s for s in sets if s != name] for name in sets}
+    for train, members in pools.items():
+        fitted = [r for name in members for r in records[name, "fit"]]
         model = fit(
             [r.signals for r in fitted],
             [r.correct for r in fitted],
             model_id=eng.lm.model_id,
             level=args.level,
-            fit_data={"data": train, "split": "fit"},
+            fit_data={"data": "+".join(members), "split": "fit"},
             late_band=settings.signals.late_band,
             mode=args.mode,
         )
-        for test in sets:
+        tests = [train.removeprefix("all but ")] if train.startswith("all but ") else sets
+        for test in tests:
             cells.append({"fit": train, "test": test, **_judged(model, records[test, "eval"])})
     figures = {"mode": args.mode, "upstream": args.upstream, "level": args.level, "cells": cells}
     if args.json:
@@ -135,15 +138,19 @@ def _judged(model: TrustModel, records: list[QARecord]) -> dict[str, Any]:
 
 def _print_matrix(sets: list[str], cells: list[dict[str, Any]]) -> None:
     emit("trust AUROC for a wrong answer (fit on the row's fit half, tested on the column's eval")
-    emit("half; the diagonal is in-domain, passage-disjoint); best baseline in brackets")
-    width = max(len(s) for s in sets) + 2
-    emit(" " * width + "".join(f"{s:>{width + 10}}" for s in sets))
-    for train in sets:
-        row = [c for c in cells if c["fit"] == train]
+    emit("half; the diagonal is in-domain, passage-disjoint; 'all' pools every set's fit half,")
+    emit("'all but X' the others' and is tested on X); best baseline in brackets")
+    width = max(len(s) for s in sets) + 10
+    emit(" " * width + "".join(f"{s:>{width + 8}}" for s in sets))
+    for train in dict.fromkeys(c["fit"] for c in cells):
+        row = {c["test"]: c for c in cells if c["fit"] == train}
         emit(
             f"{train:<{width}}"
             + "".join(
-                f"{c['trust_auroc']:>{width}.3f} ({c['best_baseline_auroc']:.3f})" for c in row
+                f"{row[s]['trust_auroc']:>{width}.3f} ({row[s]['best_baseline_auroc']:.3f})"
+                if s in row
+                else " " * (width + 8)
+                for s in sets
             )
         )
 

@@ -44,7 +44,7 @@ class FitSpec(BaseModel):
     own when none is named."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    data: str = HALUEVAL  # a packaged QA set or a QA JSONL file
+    data: str = HALUEVAL  # a packaged QA set or a QA JSONL file; several joined by '+' pool
     n: int = Field(200, ge=1)
     split: Literal["fit", "eval"] = "fit"
     level: str = "balanced"
@@ -79,7 +79,17 @@ def answers(
 ) -> list[QARecord]:
     """Graded answers with their signals and readout, of the served model (serve mode) or
     scored teacher-forced (proxy mode), cached under the trust directory so an interrupted run
-    resumes where it stopped. `upstream`: the spec's upstream model, already loaded."""
+    resumes where it stopped. `upstream`: the spec's upstream model, already loaded. Sets
+    joined by '+' are pooled: `n` items of each."""
+    parts = spec.data.split("+")
+    if len(parts) > 1 and not Path(spec.data).is_file():
+        return [
+            record
+            for part in parts
+            for record in answers(
+                settings, eng, spec.model_copy(update={"data": part}), progress, upstream
+            )
+        ]
     items = load_qa(spec.data, settings.cache_home)
     indices = qa_sample(items, spec.split, spec.n)
     level = Level.parse(spec.level)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -37,6 +37,7 @@ MODEL_FORMAT = 2  # 2: feature groups with the readout
 MODES = ("serve", "proxy")
 L2_GRID = (0.01, 0.03, 0.1, 0.3)
 COMPONENTS = (8, 32)  # principal components kept of a wide group
+SCALAR = "scalar"  # the named signals: standardised, never reduced
 FOLDS = 5
 DEFAULT_L2 = 0.1
 ATTENTION = ("lookback", "attn_entropy")
@@ -147,7 +148,7 @@ def group_vectors(
     """Each feature group over the answers, (answers, width) float64; a readout group only when
     every answer has a readout, the probe only when every answer has one of one width."""
     scalars = [scalar_features(s, baseline, drift_default, late_band) for s in signals]
-    out: Vectors = {"scalar": torch.tensor(scalars, dtype=torch.float64)}
+    out: Vectors = {SCALAR: torch.tensor(scalars, dtype=torch.float64)}
     probes = [s.probe for s in signals]
     if all(probes) and len({len(p) for p in probes}) == 1:
         out["probe"] = torch.tensor(probes, dtype=torch.float64)
@@ -162,14 +163,14 @@ def candidates(values: Vectors) -> list[tuple[str, ...]]:
     """The group sets cross-validation chooses among: the scalar signals alone, with the
     channel probe, with per-head attention, and with attention and the residual stream (the
     answer's mean, or the last prompt token's) at one readout layer."""
-    sets: list[tuple[str, ...]] = [("scalar",)]
+    sets: list[tuple[str, ...]] = [(SCALAR,)]
     if "probe" in values:
-        sets.append(("scalar", "probe"))
+        sets.append((SCALAR, "probe"))
     if all(a in values for a in ATTENTION):
-        sets.append(("scalar", *ATTENTION))
+        sets.append((SCALAR, *ATTENTION))
         for name in sorted(values):
             if name.startswith(("hidden.answer_mean.", "hidden.last_prompt.")):
-                sets.append(("scalar", *ATTENTION, name))
+                sets.append((SCALAR, *ATTENTION, name))
     return sets
 
 
@@ -185,9 +186,12 @@ def fit(
     mode: str = "serve",
 ) -> TrustModel:
     """Choose the groups, components and penalty by cross-validated AUROC (the penalty fixed
-    when `l2` is given), then fit on all the data. The chosen setting's cross-validated AUROC is
-    kept in `fit_data` (optimistic by the choice among settings; a held-out evaluation is the
-    honest figure)."""
+    when `l2` is given), then fit on all the data. The choice follows the one-standard-error
+    rule: the simplest setting whose AUROC is within one standard error (over the folds) of the
+    best one's, since with a few hundred answers the best cross-validated setting is often a
+    wide one that does not carry over (measured: README). The chosen setting's cross-validated
+    AUROC is kept in `fit_data` (optimistic by the choice; a held-out evaluation is the honest
+    figure)."""
     if len(set(correct)) < 2:
         raise ValueError("fitting needs both right and wrong answers in the data; use more items")
     if mode not in MODES:
@@ -198,9 +202,22 @@ def fit(
     values = group_vectors(signals, baseline, drift_default, late_band)
     y = torch.tensor(correct, dtype=torch.float64)
     penalties = (l2,) if l2 is not None else L2_GRID
-    settings = [(names, k) for names in candidates(values) for k in COMPONENTS]
+    widths = {name: v.shape[1] for name, v in values.items()}
+
+    def size(names: tuple[str, ...], k: int) -> int:  # inputs to the regression
+        return sum(widths[n] if n == SCALAR else min(k, widths[n]) for n in names)
+
+    settings = list(
+        {
+            (names, size(names, k)): (names, k)
+            for names in candidates(values)
+            for k in reversed(COMPONENTS)
+        }.values()
+    )
     scored = _cross_validate(values, y, settings, penalties)
-    (names, k, penalty), cv = max(scored, key=lambda item: item[1])
+    (names, k, penalty), cv = _simplest_within_one_error(
+        scored, lambda s: (len(s[0]), size(s[0], s[1]), -s[2])
+    )
     groups, weights, bias = _fit_groups(values, y, names, k, penalty)
     log.info("trust model: groups %s, %d components, l2 %s, cv AUROC %.3f", names, k, penalty, cv)
     return TrustModel(
@@ -228,6 +245,20 @@ def fit(
 
 
 Setting = tuple[tuple[str, ...], int, float]  # groups, components, penalty
+Scored = tuple[Setting, float, float]  # a setting, its mean AUROC over the folds, its error
+
+
+def _simplest_within_one_error(
+    scored: list[Scored], complexity: Callable[[Setting], tuple[float, ...]]
+) -> tuple[Setting, float]:
+    """The least complex setting (fewest groups, fewest inputs, strongest penalty) whose mean
+    AUROC is at least the best mean less the best's standard error."""
+    best = max(scored, key=lambda item: item[1])
+    if math.isnan(best[1]):
+        return best[0], best[1]
+    close = [item for item in scored if item[1] >= best[1] - best[2]]
+    chosen = min(close, key=lambda item: complexity(item[0]))
+    return chosen[0], chosen[1]
 
 
 def _cross_validate(
@@ -235,10 +266,10 @@ def _cross_validate(
     y: torch.Tensor,
     settings: list[tuple[tuple[str, ...], int]],
     penalties: Sequence[float],
-) -> list[tuple[Setting, float]]:
+) -> list[Scored]:
     """Mean AUROC over FOLDS interleaved folds of each setting and penalty (the transforms fit
-    once per fold and setting); NaN when a fold lacks a class: then the first setting, the
-    scalar signals alone, wins."""
+    once per fold and setting) and its standard error; NaN when a fold lacks a class: then the
+    first setting, the scalar signals alone, wins."""
     folds = [torch.arange(len(y))[k::FOLDS] for k in range(FOLDS)]
     aucs: dict[Setting, list[float]] = {}
     for names, k in settings:
@@ -254,10 +285,18 @@ def _cross_validate(
                 aucs.setdefault((names, k, penalty), []).append(
                     auroc((-(x_test @ w + b)).tolist(), wrong)
                 )
-    out = [(setting, sum(a) / len(a)) for setting, a in aucs.items()]
-    if all(math.isnan(a) for _, a in out):
-        return [(out[0][0], math.nan)]
-    return [(setting, -math.inf if math.isnan(a) else a) for setting, a in out]
+    out = [(setting, *_mean_error(a)) for setting, a in aucs.items()]
+    if all(math.isnan(mean) for _, mean, _ in out):
+        return [(out[0][0], math.nan, 0.0)]
+    return [(s, -math.inf if math.isnan(mean) else mean, error) for s, mean, error in out]
+
+
+def _mean_error(values: list[float]) -> tuple[float, float]:
+    mean = sum(values) / len(values)
+    if len(values) < 2 or math.isnan(mean):
+        return mean, 0.0
+    variance = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+    return mean, math.sqrt(variance / len(values))
 
 
 def _fit_groups(
@@ -272,7 +311,7 @@ def _fit_groups(
 def _transforms(values: Vectors, names: Sequence[str], k: int) -> list[Group]:
     """Each group's transform, scaled so that every projected column has unit spread on
     `values` (the penalty then treats every input alike)."""
-    groups = [Group.fit(n, values[n], k) for n in names]
+    groups = [Group.fit(n, values[n], k if n != SCALAR else values[n].shape[1]) for n in names]
     x = torch.cat([g.apply(values[g.name]) for g in groups], dim=1)
     spread = x.std(0, unbiased=False).clamp_min(1e-6)
     start = 0
