@@ -88,5 +88,8 @@ def test_trust_fit_and_eval_cli_on_a_qa_file(
     assert json.loads(capsys.readouterr().out)["held_out"] is False  # its own fit data
     records = list((cli_home / "trust" / "records").glob("*.jsonl"))
     assert len(records) == 1 and len(records[0].read_text().splitlines()) == len(QA)  # reused
+    pooled = ["--data", f"{qa}+{qa}", *common[2:], "--split", "fit", "--json"]
+    assert main(["eval", "trust", *pooled]) == 0  # sets joined by '+': n items of each
+    assert json.loads(capsys.readouterr().out)["n"] == 2 * fit_half
     assert main(["eval", "trust", *common, "--upstream", "SmolLM2-135M-Instruct"]) == 2
     assert "add --mode proxy" in capsys.readouterr().err

@@ -31,8 +31,8 @@ from sparse_engine.model.catalog import gguf_file
 from sparse_engine.model.known import KNOWN
 from sparse_engine.runtime import kernels
 from sparse_engine.runtime.engine import Engine
-from sparse_engine.runtime.fast_weights import DTYPES
-from sparse_engine.runtime.fastpath import FastDecoder, unsupported_reason
+from sparse_engine.runtime.fast_weights import DTYPES, unsupported_reason
+from sparse_engine.runtime.fastpath import FastDecoder
 from sparse_engine.sparsity.plan import SPARSE_LEVELS, Level
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."

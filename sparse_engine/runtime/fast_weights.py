@@ -2,16 +2,20 @@
 model once, fused where they share an input (q/k/v, gate/up) and stored input-major (row i is
 what input i adds) in float32, bfloat16 or int8 with one scale per row. Biases (Qwen2's on
 q/k/v) stay float32, one per output column. Norm weights are stored as they multiply: Gemma's
-`1 + w` is folded in, so one RMSNorm serves every family."""
+`1 + w` is folded in, so one RMSNorm serves every family. Also what the path reads off the
+model's config: whether it can run the family, each layer's attention type and window, and
+the rotary tables."""
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from sparse_engine.model.arch import UnsupportedModelError
+from sparse_engine.model.loader import LoadedModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -139,3 +143,46 @@ def extract_layer(
         window=window,
         rope=rope,
     )
+
+
+def unsupported_reason(lm: LoadedModel) -> str | None:
+    """Why the fast path cannot run this model's family, or None (checked before any weight
+    is copied; a layer the path cannot run is refused when the weights are taken out)."""
+    cfg = lm.model.config
+    model_type = getattr(cfg, "model_type", "")
+    if model_type not in LLAMA_LIKE + GEMMA:
+        return (
+            f"the fast path supports Llama-family and Gemma 3 decoders, not {model_type!r}; "
+            "the reference path serves it"
+        )
+    activation = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
+    if activation not in ACTIVATIONS:
+        return f"the fast path's MLP runs {' or '.join(ACTIVATIONS)}, not {activation!r}"
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(cfg, cap, None) is not None:
+            return f"the fast path does not soft-cap logits ({cap} is set)"
+    return None
+
+
+def layer_types(model: Any) -> list[str]:
+    """Each layer's attention type; one type when the model's rotary table has no per-type
+    variant (Llama, Qwen2: its sliding layers rotate as the others do)."""
+    cfg = model.config
+    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
+    if "layer_type" not in inspect.signature(model.model.rotary_emb.forward).parameters:
+        return types if "sliding_attention" in types else ["full_attention"] * len(types)
+    return types
+
+
+def sliding_window(cfg: Any, kind: str) -> int:
+    return int(cfg.sliding_window) if kind == "sliding_attention" and cfg.sliding_window else 0
+
+
+def rotary_table(model: Any, kind: str, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (max_len, head_dim) of the rotary table layers of `kind` use."""
+    rotary = model.model.rotary_emb
+    x = model.model.embed_tokens.weight[:1][None]
+    positions = torch.arange(max_len, device=x.device)[None]
+    takes_type = "layer_type" in inspect.signature(rotary.forward).parameters
+    cos, sin = rotary(x, positions, kind) if takes_type else rotary(x, positions)
+    return cos[0], sin[0]

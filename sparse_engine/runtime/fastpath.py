@@ -13,7 +13,6 @@ refused: the engine says so at start and serves it on the reference path."""
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -22,16 +21,17 @@ from torch.nn import functional as F
 from sparse_engine.model.arch import UnsupportedModelError
 from sparse_engine.model.loader import LoadedModel
 from sparse_engine.runtime.fast_weights import (
-    ACTIVATIONS,
     DTYPES,
-    GEMMA,
-    LLAMA_LIKE,
     Family,
     LayerWeights,
     Matrix,
     extract_layer,
+    layer_types,
     matrices,
     norm_weight,
+    rotary_table,
+    sliding_window,
+    unsupported_reason,
 )
 from sparse_engine.runtime.kernels import torch_rows_matvec
 from sparse_engine.sparsity import signals
@@ -67,10 +67,12 @@ class FastDecoder:
         self.eps = cfg.rms_norm_eps
         self.max_len = max_len
         self.family = Family.of(cfg)
-        types = _layer_types(model)
+        types = layer_types(model)
         tables = sorted(set(types))
         self.layers = [
-            extract_layer(layer, DTYPES[dtype], self.family, _window(cfg, kind), tables.index(kind))
+            extract_layer(
+                layer, DTYPES[dtype], self.family, sliding_window(cfg, kind), tables.index(kind)
+            )
             for layer, kind in zip(model.model.layers, types, strict=True)
         ]
         self.embed = model.model.embed_tokens.weight.detach()
@@ -78,7 +80,7 @@ class FastDecoder:
         self.head = Matrix.of({"head": model.lm_head}, DTYPES[dtype])
         self.device = self.embed.device  # the PyTorch fallback runs wherever the model is
         # Rotary tables, one per layer type: (max_len, tables, head_dim).
-        cos, sin = zip(*(_rotary(model, kind, max_len) for kind in tables), strict=True)
+        cos, sin = zip(*(rotary_table(model, kind, max_len) for kind in tables), strict=True)
         self.cos = torch.stack(cos, 1).contiguous()
         self.sin = torch.stack(sin, 1).contiguous()
         shape = (len(self.layers), self.kv_heads, max_len, self.head_dim)
@@ -345,54 +347,11 @@ class FastDecoder:
         return scores.softmax(-1)
 
 
-def unsupported_reason(lm: LoadedModel) -> str | None:
-    """Why the fast path cannot run this model's family, or None (checked before any weight
-    is copied; a layer the path cannot run is refused when the weights are taken out)."""
-    cfg = lm.model.config
-    model_type = getattr(cfg, "model_type", "")
-    if model_type not in LLAMA_LIKE + GEMMA:
-        return (
-            f"the fast path supports Llama-family and Gemma 3 decoders, not {model_type!r}; "
-            "the reference path serves it"
-        )
-    activation = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
-    if activation not in ACTIVATIONS:
-        return f"the fast path's MLP runs {' or '.join(ACTIVATIONS)}, not {activation!r}"
-    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(cfg, cap, None) is not None:
-            return f"the fast path does not soft-cap logits ({cap} is set)"
-    return None
-
-
 def _norms(layer: LayerWeights) -> list[torch.Tensor]:
     """The compiled layer's norms in its order; an empty tensor where the family has none."""
     none = torch.empty(0)
     optional = (layer.post_attn_norm, layer.post_mlp_norm, layer.q_norm, layer.k_norm)
     return [layer.attn_norm, layer.mlp_norm, *(none if w is None else w for w in optional)]
-
-
-def _layer_types(model: Any) -> list[str]:
-    """Each layer's attention type; one type when the model's rotary table has no per-type
-    variant (Llama, Qwen2: its sliding layers rotate as the others do)."""
-    cfg = model.config
-    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
-    if "layer_type" not in inspect.signature(model.model.rotary_emb.forward).parameters:
-        return types if "sliding_attention" in types else ["full_attention"] * len(types)
-    return types
-
-
-def _window(cfg: Any, kind: str) -> int:
-    return int(cfg.sliding_window) if kind == "sliding_attention" and cfg.sliding_window else 0
-
-
-def _rotary(model: Any, kind: str, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (max_len, head_dim) of the rotary table layers of `kind` use."""
-    rotary = model.model.rotary_emb
-    x = model.model.embed_tokens.weight[:1][None]
-    positions = torch.arange(max_len, device=x.device)[None]
-    takes_type = "layer_type" in inspect.signature(rotary.forward).parameters
-    cos, sin = rotary(x, positions, kind) if takes_type else rotary(x, positions)
-    return cos[0], sin[0]
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

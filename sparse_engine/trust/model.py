@@ -200,18 +200,16 @@ def fit(
     values = group_vectors(signals, baseline, drift_default, late_band)
     y = torch.tensor(correct, dtype=torch.float64)
     penalties = (l2,) if l2 is not None else L2_GRID
-    widths = {name: v.shape[1] for name, v in values.items()}
 
-    def size(names: tuple[str, ...], k: int) -> int:  # inputs to the regression
-        return sum(widths[n] if n == SCALAR else min(k, widths[n]) for n in names)
+    def reduced(names: tuple[str, ...]) -> bool:  # whether the component count matters
+        return any(n != SCALAR and values[n].shape[1] > COMPONENTS[0] for n in names)
 
-    settings = list(
-        {
-            (names, size(names, k)): (names, k)
-            for names in candidates(values)
-            for k in reversed(COMPONENTS)
-        }.values()
-    )
+    settings = [
+        (names, k)
+        for names in candidates(values)
+        for k in COMPONENTS
+        if k == COMPONENTS[0] or reduced(names)
+    ]
     scored = _cross_validate(values, y, settings, penalties)
     (names, k, penalty), cv = max(scored, key=lambda item: item[1])
     groups, weights, bias = _fit_groups(values, y, names, k, penalty)
