@@ -50,7 +50,8 @@ class GatewaySettings(BaseModel):
     request_timeout_s: float = Field(120.0, gt=0)
     max_body_bytes: int = Field(1_000_000, ge=1024)
     max_tokens_limit: int = Field(4096, ge=1)
-    raise_zero_temperature: bool = True
+    # Opt-in: temperature 0 on a sparse level sampled at 0.3 instead (README, "Policy").
+    raise_zero_temperature: bool = False
     # sha256 hex digests of accepted API keys; empty means no authentication.
     api_key_hashes: list[str] = Field(default_factory=list)
     admin_key_hashes: list[str] = Field(default_factory=list)

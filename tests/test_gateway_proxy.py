@@ -72,6 +72,7 @@ def gateway(
         upstream_url=f"{upstream}/v1",
         upstream_api_key=SecretStr("sk-upstream-secret"),
         upstream_timeout_s=1.0,
+        raise_zero_temperature=True,  # a serve-mode policy: it must not reach the upstream
     )
     with running_gateway(settings, tiny_engine(), sink) as url:
         yield url
@@ -112,6 +113,53 @@ def test_proxy_streams_through_openai_sdk(gateway: str) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == "".join(ANSWER)
     assert (chunks[-1].model_extra or {})["ir_stats"]["level"] == "balanced"
+
+
+def test_the_callers_sampling_reaches_the_upstream_unchanged(
+    gateway: str, seen: list[dict[str, object]]
+) -> None:
+    sampling = {
+        "temperature": 0,
+        "max_tokens": 3000,
+        "seed": 7,
+        "presence_penalty": 0.5,
+        "logit_bias": {"42": -3.0},
+        "stop": ["\n\n"],
+    }
+    body = {
+        "model": "ok",
+        "messages": [{"role": "user", "content": "Capital of France?"}],
+        "user": "alice",
+        "ir_sparse_level": "aggressive",  # caps max_tokens and raises temperature 0 in serve mode
+        **sampling,
+    }
+    response = httpx.post(f"{gateway}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-ir-policy"] == "none"
+    forwarded = seen[-1]
+    assert {k: forwarded[k] for k in sampling} == sampling
+    assert forwarded["user"] not in (None, "alice")  # the end-user id leaves only as a hash
+    assert "top_p" not in forwarded and "n" not in forwarded  # left out stays out
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "needle"),
+    [
+        ("/v1/chat/completions", {"n": 2}, "n:"),
+        ("/v1/chat/completions", {"logprobs": True}, "logprobs:"),
+        ("/v1/completions", {"prompt": "x"}, "/v1/completions:"),
+    ],
+)
+def test_what_proxy_mode_cannot_relay_is_refused(
+    gateway: str, path: str, fields: dict[str, object], needle: str
+) -> None:
+    body = (
+        fields
+        if path == "/v1/completions"
+        else {"messages": [{"role": "user", "content": "Q"}]} | fields
+    )
+    response = httpx.post(f"{gateway}{path}", json={"model": "ok", **body}, timeout=30)
+    assert response.status_code == 400 and needle in response.json()["error"]["message"]
 
 
 def test_upstream_failure_is_502_and_timeout_504(gateway: str) -> None:

@@ -31,7 +31,6 @@ def test_openai_sdk_gets_paris_from_smollm(
             messages=[{"role": "user", "content": "What is the capital of France?"}],
             max_tokens=16,
             temperature=0,
-            seed=0,  # balanced raises temperature 0 to 0.3: a seed keeps the sample fixed
             extra_body={"ir_sparse_level": level},
         )
     answer = raw.parse().choices[0].message.content or ""
@@ -42,4 +41,4 @@ def test_openai_sdk_gets_paris_from_smollm(
     if level == "balanced":
         assert raw.headers["x-ir-calibration"].startswith("smollm2-135m-instruct-balanced")
         assert float(raw.headers["x-ir-sparsity"]) > 0.3
-        assert "temperature:0->0.3" in raw.headers["x-ir-policy"]
+    assert raw.headers["x-ir-policy"] == "none"  # temperature 0 stays greedy

@@ -131,15 +131,18 @@ def test_aggressive_caps_a_large_default_too() -> None:
     assert (decision.max_tokens, decision.changes) == (2048, ("max_tokens:3000->2048",))
 
 
-def test_zero_temperature_is_raised_for_sparse_levels() -> None:
-    decision = decide(_input(requested_level="conservative", temperature=0.0))
-    assert (decision.temperature, decision.changes) == (0.3, ("temperature:0->0.3",))
+def test_zero_temperature_is_raised_for_sparse_levels_only_when_turned_on() -> None:
+    on = decide(
+        _input(requested_level="conservative", temperature=0.0, raise_zero_temperature=True)
+    )
+    assert (on.temperature, on.changes) == (0.3, ("temperature:0->0.3",))
+    default = decide(_input(requested_level="balanced", temperature=0.0))
+    assert (default.temperature, default.changes) == (0.0, ())  # greedy stays greedy
 
 
-def test_zero_temperature_stays_when_dense_or_turned_off() -> None:
-    assert decide(_input(requested_level="dense", temperature=0.0)).temperature == 0.0
-    off = decide(_input(requested_level="balanced", temperature=0.0, raise_zero_temperature=False))
-    assert (off.temperature, off.changes) == (0.0, ())
+def test_zero_temperature_stays_when_dense_even_when_turned_on() -> None:
+    dense = _input(requested_level="dense", temperature=0.0, raise_zero_temperature=True)
+    assert decide(dense).temperature == 0.0
 
 
 def test_ir_sparse_false_forces_dense_and_reports_an_explicit_level() -> None:
@@ -169,6 +172,7 @@ def test_every_rule_reports_in_order() -> None:
             max_tokens=9000,
             temperature=0,
             aggressive_max_tokens=10,
+            raise_zero_temperature=True,
         )
     )
     assert decision.changes == (

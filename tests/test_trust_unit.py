@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 
 from services.config import Settings, SignalSettings, TrustSettings
 from services.gateway.fallback import route_action, simplified, with_passages
-from services.gateway.schemas import ChatInput
+from services.gateway.inputs import ChatInput
 from services.gateway.trust import RollingBaseline, TrustJudge
 from services.storage.kb import Hit
 from sparse_engine.evaluation.ranking import auroc
@@ -227,7 +228,20 @@ def test_judge_reasons_and_header() -> None:
 
 def _chat(api: str = "openai", stream: bool = False) -> ChatInput:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q?"}]
-    return ChatInput(api, "m", messages, 16, 0.0, 1.0, (), stream, None, None)  # type: ignore[arg-type]
+    endpoint = "chat" if api == "openai" else "messages"
+    return ChatInput(
+        api,  # type: ignore[arg-type]
+        "m",
+        messages,
+        16,
+        0.0,
+        1.0,
+        (),
+        stream,
+        None,
+        None,
+        endpoint=endpoint,  # type: ignore[arg-type]
+    )
 
 
 def test_route_actions_and_fallback_prompts() -> None:
@@ -235,6 +249,9 @@ def test_route_actions_and_fallback_prompts() -> None:
     assert route_action(settings, _chat()) == "retrieve"
     assert route_action(settings, _chat("anthropic")) == "flag"  # the default
     assert route_action(settings, _chat(stream=True)) == "flag"  # already sent
+    legacy = replace(_chat(), endpoint="completions")
+    both = Settings(trust=TrustSettings(actions={"/v1/completions": "retrieve"}))
+    assert route_action(both, legacy) == "flag"  # a raw prompt has no question to rework
     hits = [Hit(1, "wiki", "Paris", "Paris is the capital of France. " * 40, 1.0)]
     augmented = with_passages(_chat().messages, hits, max_chars=60)
     assert augmented[0] == {"role": "system", "content": "Be brief."}

@@ -26,6 +26,7 @@ from services.cli import (
     probe,
     retrieval_study,
     silence,
+    temperature_study,
     trust,
     trust_study,
     up,
@@ -60,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         trust,
         trust_study,
         retrieval_study,
+        temperature_study,
         kb,
         kernels,
     ):

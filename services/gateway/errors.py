@@ -60,7 +60,7 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": None, "code": code}}
 
 
-CHAT_PATHS = ("/v1/chat/completions", "/v1/messages")
+CHAT_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
 OnReject = Callable[[Request, ApiError], None]
 
 
@@ -100,6 +100,8 @@ def describe_validation(exc: RequestValidationError) -> str:
     where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
     if first.get("type") == "json_invalid":
         return "request body is not valid JSON"
-    message = str(first.get("msg", "invalid value"))
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"{where or 'body'}: {message}{more}"
+    if not where:  # a whole-body check names its field itself
+        return f"{message}{more}"
+    return f"{where}: {message}{more}"

@@ -94,6 +94,7 @@ def build_event(
         hygiene_flags=list(p.hygiene_flags),
         error=EventError(type=str(error.status), message=error.message) if error else None,
         prompt_text=_kept_prompt(rt, p) if error is None else None,
+        end_user=p.chat.end_user,
     )
 
 
@@ -130,7 +131,7 @@ def _observe(rt: Runtime, p: Prepared, final: Final | None, error: ApiError | No
     m.trust_score.labels(level).observe(
         trust.score if trust.first_score is None else trust.first_score
     )
-    m.trust_actions.labels(trust.action, ROUTES[p.chat.api]).inc()
+    m.trust_actions.labels(trust.action, ROUTES[p.chat.endpoint]).inc()
     for reason in trust.reasons:
         m.trust_reasons.labels(reason).inc()
 

@@ -8,23 +8,28 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from services.config import Settings
-from services.gateway.schemas import ChatInput
+from services.gateway.inputs import ChatInput
 from services.storage.kb import Hit, search
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine as SqlEngine
     from sqlalchemy.orm import Session, sessionmaker
 
-ROUTES = {"openai": "/v1/chat/completions", "anthropic": "/v1/messages"}
+ROUTES = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "messages": "/v1/messages",
+}
 SIMPLIFY = "Answer in more basic language."
 RETRIEVED = "Use these passages from the knowledge base if they help you answer."
 
 
 def route_action(settings: Settings, chat: ChatInput) -> str:
     """The action configured for the request's route: retrieve, simplify or flag. A streamed
-    answer is already on its way to the client, so it can only be flagged."""
-    action = settings.trust.actions.get(ROUTES[chat.api], settings.trust.default_action)
-    return "flag" if chat.stream else action
+    answer is already on its way to the client, so it can only be flagged; so is a legacy
+    completion, whose raw prompt has no question to simplify or to add passages to."""
+    action = settings.trust.actions.get(ROUTES[chat.endpoint], settings.trust.default_action)
+    return "flag" if chat.stream or chat.raw else action
 
 
 class KnowledgeBase:

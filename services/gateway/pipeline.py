@@ -17,9 +17,15 @@ from services.gateway.engine_thread import Emit, EngineJob, JobFn, QueueFullErro
 from services.gateway.errors import ApiError
 from services.gateway.fallback import route_action, simplified, with_passages
 from services.gateway.hygiene import clean_text
-from services.gateway.policy import PolicyDecision, PolicyInput, decide, header_value
+from services.gateway.inputs import ChatInput
+from services.gateway.policy import (
+    AGGRESSIVE_MAX_TOKENS,
+    PolicyDecision,
+    PolicyInput,
+    decide,
+    header_value,
+)
 from services.gateway.runtime import Runtime
-from services.gateway.schemas import ChatInput
 from services.gateway.trust import Trust
 from services.gateway.upstream import stream_upstream
 from sparse_engine.calibration.store import CalibrationNotFoundError
@@ -67,13 +73,17 @@ class Answered:
 def prepare(rt: Runtime, chat: ChatInput) -> Prepared:
     """Clean the text and apply the policy; raises ApiError(400) for bad levels."""
     _check_model(rt, chat.model)
+    chat = _checked_for_mode(rt, chat)
     trace_id = uuid.uuid4().hex
     flags: list[str] = []
     messages = []
     for message in chat.messages:
         cleaned = clean_text(message["content"])
         flags.extend(f for f in cleaned.flags if f not in flags)
-        messages.append({"role": message["role"], "content": cleaned.text})
+        # A raw prompt goes to the model verbatim (its log-probabilities are what the caller
+        # scores); its hygiene findings are still reported.
+        text = message["content"] if chat.raw else cleaned.text
+        messages.append({"role": message["role"], "content": text})
     if not any(m["content"].strip() for m in messages if m["role"] != "system"):
         raise ApiError(400, "messages: at least one non-system message with text is required")
     chat = replace(chat, messages=messages)
@@ -83,6 +93,50 @@ def prepare(rt: Runtime, chat: ChatInput) -> Prepared:
     sampled = sampled_share(trace_id, rate)
     now = datetime.now(UTC)
     return Prepared(chat, decision, tuple(flags), trace_id, plan, sampled, time.perf_counter(), now)
+
+
+def choices(p: Prepared) -> list[Prepared]:
+    """One prepared request per choice asked for (`n`): each its own generation and its own
+    telemetry event (trace ids `<trace>-1`, `<trace>-2`, ...; a seed advances by one)."""
+    chat = p.chat
+    return [p] + [
+        replace(
+            p,
+            trace_id=f"{p.trace_id}-{i}",
+            chat=replace(chat, seed=None if chat.seed is None else chat.seed + i),
+        )
+        for i in range(1, chat.n)
+    ]
+
+
+def _checked_for_mode(rt: Runtime, chat: ChatInput) -> ChatInput:
+    """A token-id prompt gets its text; proxy mode refuses what it cannot relay."""
+    if chat.prompt_ids is not None:
+        vocab = rt.engine.vocab_size
+        if max(chat.prompt_ids) >= vocab:
+            raise ApiError(
+                400,
+                f"prompt: token id {max(chat.prompt_ids)} is outside the "
+                f"vocabulary of {rt.engine.lm.model_id} (0-{vocab - 1})",
+            )
+        text = rt.engine.lm.tokenizer.decode(chat.prompt_ids)
+        chat = replace(chat, messages=[{"role": "user", "content": text}], prompt=text)
+    if rt.settings.gateway.mode != "proxy":
+        return chat
+    refused = {
+        "/v1/completions": chat.raw,
+        "n": chat.n > 1,
+        "logprobs": chat.logprobs,
+        "top_k": chat.top_k > 0,
+    }
+    for name, asked in refused.items():
+        if asked:
+            raise ApiError(
+                400,
+                f"{name}: not available in proxy mode, which relays one text answer from the "
+                "upstream chat API and probes it (serve mode offers it)",
+            )
+    return chat
 
 
 def sampled_share(trace_id: str, rate: float, salt: str = "") -> bool:
@@ -176,13 +230,22 @@ async def _answer(
 async def _serve(
     rt: Runtime, p: Prepared, messages: list[Message]
 ) -> AsyncIterator[str | Answered]:
+    chat = p.chat
     request = GenerationRequest(
-        messages=messages,
+        messages=None if chat.raw else messages,
+        prompt=chat.prompt if chat.prompt_ids is None else None,
+        prompt_ids=chat.prompt_ids,
         max_new_tokens=p.decision.max_tokens,
         temperature=p.decision.temperature,
-        top_p=p.chat.top_p,
-        stop=p.chat.stop,
-        seed=p.chat.seed,
+        top_p=chat.top_p,
+        top_k=chat.top_k,
+        stop=chat.stop,
+        seed=chat.seed,
+        presence_penalty=chat.presence_penalty,
+        frequency_penalty=chat.frequency_penalty,
+        logit_bias=chat.logit_bias,
+        top_logprobs=chat.top_logprobs,
+        echo_logprobs=chat.echo and chat.logprobs,
         measure_drift=p.measure_drift,
         readout=True,  # what the trust model reads (`sparsity.readout`)
     )
@@ -220,7 +283,7 @@ async def _proxy(
     parts: list[str] = []
     first_at = None
     chat = replace(p.chat, messages=messages)
-    async for delta in stream_upstream(rt.upstream, rt.settings.gateway, chat, p.decision):
+    async for delta in stream_upstream(rt.upstream, rt.settings.gateway, chat):
         first_at = first_at or time.perf_counter()
         parts.append(delta)
         yield delta
@@ -269,6 +332,7 @@ def _as_api_error(exc: BaseException) -> ApiError:
 
 def _decide(rt: Runtime, chat: ChatInput) -> PolicyDecision:
     cfg = rt.settings
+    proxy = cfg.gateway.mode == "proxy"
     if chat.max_tokens is not None and chat.max_tokens > cfg.gateway.max_tokens_limit:
         raise ApiError(400, f"max_tokens must be at most {cfg.gateway.max_tokens_limit}")
     try:
@@ -281,7 +345,12 @@ def _decide(rt: Runtime, chat: ChatInput) -> PolicyDecision:
                 max_tokens=chat.max_tokens,
                 temperature=chat.temperature,
                 default_level=cfg.engine.default_level,
-                raise_zero_temperature=cfg.gateway.raise_zero_temperature,
+                # In proxy mode the upstream samples with the caller's own settings: no policy
+                # on temperature or length applies, and none is reported.
+                raise_zero_temperature=cfg.gateway.raise_zero_temperature and not proxy,
+                aggressive_max_tokens=cfg.gateway.max_tokens_limit
+                if proxy
+                else AGGRESSIVE_MAX_TOKENS,
             )
         )
     except ValueError as exc:

@@ -8,7 +8,8 @@ Rules, applied in this order:
 2. A system prompt longer than 200 characters steps a sparse level one step towards dense
    (aggressive -> balanced -> conservative; conservative and dense stay).
 3. `aggressive` caps max_tokens (2048 by default).
-4. A sparse level with temperature 0 is raised to 0.3, unless turned off.
+4. Only when turned on (off by default: temperature 0 means greedy): a sparse level with
+   temperature 0 is raised to 0.3.
 Missing max_tokens and temperature take their defaults; filling a default is not a change.
 """
 
@@ -27,6 +28,7 @@ CONSERVATIVE_BELOW_BITS = 3.2
 AGGRESSIVE_ABOVE_BITS = 4.1
 LONG_SYSTEM_PROMPT_CHARS = 200
 RAISED_TEMPERATURE = 0.3
+AGGRESSIVE_MAX_TOKENS = 2048
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when the request leaves it out
 NO_CHANGES = "none"
 
@@ -50,8 +52,8 @@ class PolicyInput:
     max_tokens: int | None
     temperature: float | None
     default_level: str = "balanced"
-    raise_zero_temperature: bool = True
-    aggressive_max_tokens: int = 2048
+    raise_zero_temperature: bool = False
+    aggressive_max_tokens: int = AGGRESSIVE_MAX_TOKENS
     default_max_tokens: int = 256
 
 

@@ -1,4 +1,5 @@
-"""Run a prepared request to a JSON response or an SSE stream; record it either way."""
+"""Run a request's prepared choices, one after the other, to a JSON response or an SSE stream;
+record each either way."""
 
 from __future__ import annotations
 
@@ -11,49 +12,69 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from services.gateway.errors import ApiError
 from services.gateway.events import record
-from services.gateway.formats import StreamFormat
+from services.gateway.formats import Choice, StreamFormat
+from services.gateway.logprobs import TokenText
 from services.gateway.pipeline import Final, Prepared, execute, final_headers, upfront_headers
 from services.gateway.runtime import Runtime
 
-Body = Callable[[Prepared, Final, str, str], dict[str, Any]]
+Body = Callable[[list[Choice], str, TokenText], dict[str, Any]]
 DISCONNECT_POLL_S = 0.25
 
 
-async def respond_json(rt: Runtime, p: Prepared, request: Request, body: Body) -> JSONResponse:
-    task = asyncio.create_task(_collect(rt, p))
+def token_text(rt: Runtime) -> TokenText:
+    tokenizer = rt.engine.lm.tokenizer
+    return lambda token: str(tokenizer.decode([token]))
+
+
+async def respond_json(
+    rt: Runtime, ps: list[Prepared], request: Request, body: Body
+) -> JSONResponse:
+    task = asyncio.create_task(_collect_all(rt, ps))
     while not task.done():
         await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
         if not task.done() and await request.is_disconnected():
             task.cancel()  # cancels the generation; the client is gone
-            record(rt, p, None, ApiError(499, "client disconnected"))
             return JSONResponse({}, status_code=499)
-    text, final = task.result()
-    headers = upfront_headers(p) | final_headers(final)
-    return JSONResponse(body(p, final, text, rt.engine.lm.model_id), headers=headers)
+    choices = task.result()
+    headers = upfront_headers(ps[0]) | final_headers(choices[0].final)
+    content = body(choices, rt.engine.lm.model_id, token_text(rt))
+    return JSONResponse(content, headers=headers)
 
 
-async def respond_stream(rt: Runtime, p: Prepared, fmt: StreamFormat) -> StreamingResponse:
+async def respond_stream(rt: Runtime, ps: list[Prepared], fmt: StreamFormat) -> StreamingResponse:
     """Errors before the first token become HTTP errors; later ones an error event."""
-    items = execute(rt, p)
+    items = execute(rt, ps[0])
     try:
         first = await anext(items)
     except ApiError as error:
-        record(rt, p, None, error)
+        record(rt, ps[0], None, error)
         raise
     return StreamingResponse(
-        _events(rt, p, fmt, first, items),
+        _events(rt, ps, fmt, _prepend(first, items)),
         media_type="text/event-stream",
-        headers=upfront_headers(p) | {"Cache-Control": "no-cache"},
+        headers=upfront_headers(ps[0]) | {"Cache-Control": "no-cache"},
     )
 
 
-async def _collect(rt: Runtime, p: Prepared) -> tuple[str, Final]:
+async def _collect_all(rt: Runtime, ps: list[Prepared]) -> list[Choice]:
+    choices = []
+    for i, p in enumerate(ps):
+        try:
+            choices.append(await _collect(rt, p))
+        except asyncio.CancelledError:
+            for waiting in ps[i:]:
+                record(rt, waiting, None, ApiError(499, "client disconnected"))
+            raise
+    return choices
+
+
+async def _collect(rt: Runtime, p: Prepared) -> Choice:
     parts: list[str] = []
     try:
         async for item in execute(rt, p):
             if isinstance(item, Final):
                 record(rt, p, item)
-                return "".join(parts), item
+                return Choice(p, item, "".join(parts))
             parts.append(item)
     except ApiError as error:
         record(rt, p, None, error)
@@ -63,34 +84,45 @@ async def _collect(rt: Runtime, p: Prepared) -> tuple[str, Final]:
 
 async def _events(
     rt: Runtime,
-    p: Prepared,
+    ps: list[Prepared],
     fmt: StreamFormat,
-    first: str | Final,
-    items: AsyncGenerator[str | Final, None],
+    first: AsyncGenerator[str | Final, None],
 ) -> AsyncIterator[bytes]:
-    yield fmt.start()
-    final: Final | None = None
-    try:
-        async for item in _prepend(first, items):
-            if isinstance(item, Final):
-                final = item
-                yield fmt.final(item)
-            else:
-                yield fmt.delta(item)
-        record(rt, p, final)
-    except ApiError as error:
-        record(rt, p, final, error)
-        yield fmt.error(error)
-    except asyncio.CancelledError:
-        record(rt, p, final, ApiError(499, "client disconnected"))
-        raise
-    finally:
-        await items.aclose()
+    choices: list[Choice] = []
+    for index, p in enumerate(ps):
+        items = first if index == 0 else execute(rt, p)
+        yield fmt.start(index, p)
+        final: Final | None = None
+        parts: list[str] = []
+        try:
+            async for item in items:
+                if isinstance(item, Final):
+                    final = item
+                    choices.append(Choice(p, item, "".join(parts)))
+                    yield fmt.finish(index, choices[-1])
+                else:
+                    parts.append(item)
+                    yield fmt.delta(index, item)
+            record(rt, p, final)
+        except ApiError as error:
+            record(rt, p, final, error)
+            yield fmt.error(error)
+            return
+        except asyncio.CancelledError:
+            for waiting in ps[index:]:
+                record(rt, waiting, None, ApiError(499, "client disconnected"))
+            raise
+        finally:
+            await items.aclose()
+    yield fmt.end(choices)
 
 
 async def _prepend(
-    first: str | Final, items: AsyncIterator[str | Final]
-) -> AsyncIterator[str | Final]:
-    yield first
-    async for item in items:
-        yield item
+    first: str | Final, items: AsyncGenerator[str | Final, None]
+) -> AsyncGenerator[str | Final, None]:
+    try:
+        yield first
+        async for item in items:
+            yield item
+    finally:
+        await items.aclose()

@@ -10,14 +10,13 @@ import httpx
 
 from services.config import GatewaySettings
 from services.gateway.errors import ApiError
-from services.gateway.policy import PolicyDecision
-from services.gateway.schemas import ChatInput
+from services.gateway.inputs import ChatInput
 
 log = logging.getLogger(__name__)
 
 
 async def stream_upstream(
-    client: httpx.AsyncClient, settings: GatewaySettings, chat: ChatInput, decision: PolicyDecision
+    client: httpx.AsyncClient, settings: GatewaySettings, chat: ChatInput
 ) -> AsyncIterator[str]:
     """Text deltas of the upstream answer. Upstream failures become 502, time-outs 504."""
     if not settings.upstream_url:
@@ -29,11 +28,8 @@ async def stream_upstream(
     body = {
         "model": settings.upstream_model or chat.model or "default",
         "messages": chat.messages,
-        "max_tokens": decision.max_tokens,
-        "temperature": decision.temperature,
-        "top_p": chat.top_p,
         "stream": True,
-        **({"stop": list(chat.stop)} if chat.stop else {}),
+        **_sampling(chat),
     }
     try:
         async with client.stream(
@@ -54,6 +50,25 @@ async def stream_upstream(
         ) from None
     except httpx.HTTPError as exc:
         raise ApiError(502, f"upstream unreachable ({type(exc).__name__})") from None
+
+
+def _sampling(chat: ChatInput) -> dict[str, object]:
+    """The caller's own sampling fields, as sent: the sparse level's policy (a temperature
+    raise, the aggressive max_tokens cap) shapes this gateway's probe, never the upstream's
+    answer. Fields left out stay out, so the upstream's defaults apply; the end-user id goes
+    as the hash this gateway keeps of it."""
+    fields: dict[str, object] = {
+        "max_tokens": chat.max_tokens,
+        "temperature": chat.temperature,
+        "top_p": chat.top_p if chat.top_p < 1.0 else None,
+        "stop": list(chat.stop) or None,
+        "seed": chat.seed,
+        "presence_penalty": chat.presence_penalty or None,
+        "frequency_penalty": chat.frequency_penalty or None,
+        "logit_bias": {str(k): v for k, v in chat.logit_bias.items()} or None,
+        "user": chat.end_user,
+    }
+    return {name: value for name, value in fields.items() if value is not None}
 
 
 def _delta(line: str) -> str | None:

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = "1.2"  # 1.1 added prompt_text; 1.2 trust reasons and token confidence
+SCHEMA_VERSION = "1.3"  # 1.1 prompt_text; 1.2 trust reasons, token confidence; 1.3 end_user
 SUPPORTED_MAJOR = "1"
 CE_TYPE = "io.sparseguard.telemetry.v1"
 CE_SOURCE = "sparseguard/gateway"
@@ -91,6 +91,9 @@ class TelemetryEvent(BaseModel):
     error: EventError | None = None
     prompt_text: str | None = Field(
         None, description="the cleaned prompt, only when the operator keeps prompt text"
+    )
+    end_user: str | None = Field(
+        None, description="sha256 prefix of the caller's end-user id (user, metadata.user_id)"
     )
 
     @field_validator("time")

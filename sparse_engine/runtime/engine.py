@@ -20,7 +20,13 @@ from sparse_engine.runtime.fastpath import FastDecoder
 from sparse_engine.runtime.generation import Generation, GenerationRequest, GenerationStats, Message
 from sparse_engine.runtime.prefill import FastKV, FastKVState, Prefill, Prefilled, ReferenceKV
 from sparse_engine.runtime.prefix_cache import CacheKey, PrefixCache
-from sparse_engine.runtime.sampling import TokenConfidence, eos_ids, sample_next
+from sparse_engine.runtime.sampling import (
+    LogitAdjust,
+    TokenConfidence,
+    TopLogprobs,
+    eos_ids,
+    sample_next,
+)
 from sparse_engine.runtime.textstream import TextStream
 from sparse_engine.sparsity import signals
 from sparse_engine.sparsity.hooks import read_out, sparsified
@@ -120,6 +126,8 @@ class Engine:
 
     def encode(self, request: GenerationRequest) -> tuple[list[int], str]:
         """Token ids of the prompt (chat template applied to messages) and its plain text."""
+        if request.prompt_ids is not None:
+            return list(request.prompt_ids), self.lm.tokenizer.decode(request.prompt_ids)
         if request.messages is not None:
             return self.encode_messages(request.messages), _plain(request.messages)
         if request.prompt is not None:
@@ -186,7 +194,13 @@ class Engine:
         eos = set() if request.ignore_eos else eos_ids(self.lm)
         generated: list[int] = []
         kept_logits: list[torch.Tensor] = []
-        confidence = TokenConfidence()
+        confidence = TokenConfidence(request.top_logprobs)
+        adjust = LogitAdjust(
+            self.vocab_size,
+            request.presence_penalty,
+            request.frequency_penalty,
+            request.logit_bias,
+        )
         finish = "length"
         started = time.perf_counter()
         fast = self._fast_for(plan, len(prompt_ids) + request.max_new_tokens)
@@ -212,8 +226,11 @@ class Engine:
                     logits = path.step(token)
                 if request.measure_drift and not plan.is_dense:
                     kept_logits.append(logits.float())
-                token = sample_next(logits, request.temperature, request.top_p, generator)
-                if recorder is not None:
+                token = sample_next(
+                    adjust(logits), request.temperature, request.top_p, generator, request.top_k
+                )
+                adjust.chose(token)
+                if recorder is not None or request.top_logprobs:
                     confidence.observe(logits, token)
                 if token in eos:
                     finish = "stop"
@@ -236,6 +253,9 @@ class Engine:
                 sparse = torch.stack(kept_logits[: len(generated)])
                 drift = self.semantic_drift(prompt_ids, generated, sparse)
         decode_s = ended - first_token_at
+        echo: tuple[list[float | None], list[TopLogprobs]] = ([], [])
+        if request.echo_logprobs:
+            echo = self.prompt_logprobs(prompt_ids, plan, request.top_logprobs)
         out.stats = GenerationStats(
             text=decoder.text,
             level=plan.level.value,
@@ -255,7 +275,37 @@ class Engine:
             token_logprobs=confidence.logprobs,
             token_entropies=confidence.entropies,
             readout=readout.result() if readout is not None else None,
+            top_logprobs=confidence.top_logprobs,
+            prompt_ids=list(prompt_ids) if request.echo_logprobs else [],
+            prompt_logprobs=echo[0],
+            prompt_top_logprobs=echo[1],
         )
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.lm.model.get_output_embeddings().weight.shape[0])
+
+    def prompt_logprobs(
+        self, ids: list[int], plan: SparsityPlan, top: int = 0
+    ) -> tuple[list[float | None], list[TopLogprobs]]:
+        """Each prompt token's log-probability given the tokens before it, under `plan` (one
+        teacher-forced pass; None for the first token), and the `top` likeliest there."""
+        with (
+            torch.inference_mode(),
+            masked(self.lm.layers, self.mask),
+            sparsified(self.lm.layers, plan),
+        ):
+            logp = self.lm.model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+        logp = logp.log_softmax(-1)
+        chosen = logp.gather(-1, torch.tensor(ids[1:]).reshape(-1, 1)).reshape(-1).tolist()
+        tops: list[TopLogprobs] = [[]]
+        if top:
+            found = logp.topk(top)
+            tops += [
+                list(zip(i, v, strict=True))
+                for i, v in zip(found.indices.tolist(), found.values.tolist(), strict=True)
+            ]
+        return [None, *chosen], tops if top else []
 
     def _readout(self, prompt_len: int, limit: int | None = None) -> Readout:
         cfg = self.lm.model.config

@@ -6,6 +6,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from sparse_engine.runtime.sampling import TopLogprobs
 from sparse_engine.sparsity.readout import AnswerReadout
 from sparse_engine.sparsity.recorder import SignalSummary
 
@@ -26,6 +27,14 @@ class GenerationRequest:
     ignore_eos: bool = False
     use_prefix_cache: bool = True
     readout: bool = False  # the trust readout (sparsity.readout) of the answer
+    # A prompt given as token ids, used as is (no template, no BOS added): `prompt` unused.
+    prompt_ids: list[int] | None = None
+    top_k: int = 0  # 0: no top-k cut
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    top_logprobs: int = 0  # how many likeliest alternatives to keep per generated position
+    echo_logprobs: bool = False  # also the log-probabilities of the prompt's own tokens
 
 
 @dataclass(slots=True)
@@ -50,6 +59,12 @@ class GenerationStats:
     token_logprobs: list[float] = field(default_factory=list)
     token_entropies: list[float] = field(default_factory=list)
     readout: AnswerReadout | None = None
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    # With `echo_logprobs`: the prompt's token ids, each one's log-probability given those
+    # before it (None for the first) and the likeliest alternatives there.
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
     @property
     def cache_hit_rate(self) -> float:
