@@ -57,6 +57,13 @@ class GatewaySettings(BaseModel):
     admin_key_hashes: list[str] = Field(default_factory=list)
 
 
+class OtelSettings(BaseModel):
+    # OTLP/HTTP collector base URL (spans go to <endpoint>/v1/traces); unset: no export.
+    endpoint: str | None = None
+    service_name: str = "sparseguard-gateway"
+    export_delay_ms: int = Field(2000, ge=1)  # how long spans wait to be sent in a batch
+
+
 class TelemetrySettings(BaseModel):
     enabled: bool = True
     bootstrap_servers: str = "127.0.0.1:9092"
@@ -268,6 +275,7 @@ class Settings(BaseSettings):
     engine: EngineSettings = Field(default_factory=lambda: EngineSettings())
     gateway: GatewaySettings = Field(default_factory=lambda: GatewaySettings())
     telemetry: TelemetrySettings = Field(default_factory=lambda: TelemetrySettings())
+    otel: OtelSettings = Field(default_factory=lambda: OtelSettings())
     storage: StorageSettings = Field(default_factory=lambda: StorageSettings())
     aggregator: AggregatorSettings = Field(default_factory=lambda: AggregatorSettings())
     alerts: AlertSettings = Field(default_factory=lambda: AlertSettings())

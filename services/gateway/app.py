@@ -23,6 +23,7 @@ from services.gateway.routes.chat import router as chat_router
 from services.gateway.routes.status import router as status_router
 from services.gateway.routes.system import router as system_router
 from services.gateway.runtime import Runtime, TelemetrySink
+from services.gateway.tracing import Tracing
 from services.shared.engine import build_engine
 from sparse_engine.runtime.engine import Engine
 
@@ -83,6 +84,9 @@ async def _start(
         upstream = await stack.enter_async_context(httpx.AsyncClient())
     registry = registry or CollectorRegistry()
     rt = Runtime(settings, engine, worker, GatewayMetrics(registry), registry, sink, upstream)
+    if settings.otel.endpoint:
+        rt.tracing = Tracing(settings.otel)
+        stack.callback(rt.tracing.close)
     stack.callback(rt.jobs.close)
     stack.callback(rt.knowledge.close)
     if settings.telemetry.enabled:

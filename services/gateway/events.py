@@ -6,11 +6,14 @@ import logging
 import time
 import uuid
 from datetime import UTC, datetime
+from typing import Any
 
 from services.gateway.errors import ApiError
 from services.gateway.fallback import ROUTES
-from services.gateway.pipeline import Final, Prepared, sampled_share
+from services.gateway.intake import Prepared, sampled_share
+from services.gateway.pipeline import Final
 from services.gateway.runtime import Runtime
+from services.gateway.tracing import end_span
 from services.telemetry.schema import EventError, TelemetryEvent
 
 log = logging.getLogger(__name__)
@@ -23,10 +26,43 @@ def record(rt: Runtime, p: Prepared, final: Final | None, error: ApiError | None
     try:
         event = build_event(rt, p, final, error)
         _observe(rt, p, final, error)
+        end_span(p.span, span_attributes(rt, p, event), error.message if error else None)
         if rt.sink is not None:
             rt.sink.send(event)
     except Exception:
         log.exception("could not record telemetry for %s", p.trace_id)
+
+
+def span_attributes(rt: Runtime, p: Prepared, event: TelemetryEvent) -> dict[str, Any]:
+    """The request span's attributes: OpenTelemetry GenAI conventions, then sparseguard's."""
+    chat = p.chat
+    return {
+        "gen_ai.operation.name": p.operation,
+        "gen_ai.provider.name": "sparseguard",
+        "gen_ai.request.model": chat.model or rt.engine.lm.model_id,
+        "gen_ai.response.model": rt.engine.lm.model_id,
+        "gen_ai.response.id": p.trace_id,
+        "gen_ai.request.max_tokens": p.decision.max_tokens,
+        "gen_ai.request.temperature": chat.temperature,
+        "gen_ai.request.top_p": chat.top_p,
+        "gen_ai.request.top_k": chat.top_k or None,
+        "gen_ai.request.seed": chat.seed,
+        "gen_ai.request.choice.count": chat.n if chat.n > 1 else None,
+        "gen_ai.request.stop_sequences": list(chat.stop) or None,
+        "gen_ai.request.stream": chat.stream,
+        "gen_ai.usage.input_tokens": event.prompt_tokens,
+        "gen_ai.usage.output_tokens": event.completion_tokens,
+        "gen_ai.response.finish_reasons": [event.finish_reason] if event.finish_reason else None,
+        "error.type": event.error.type if event.error else None,
+        "sparseguard.mode": event.mode,
+        "sparseguard.level": event.level,
+        "sparseguard.calibration_version": event.calibration_version,
+        "sparseguard.sparsity_ratio": event.sparsity_ratio,
+        "sparseguard.gate_confidence": event.gate_confidence,
+        "sparseguard.trust_score": event.trust_score,
+        "sparseguard.trust_action": event.trust_action,
+        "sparseguard.policy": event.policy_flags or None,
+    }
 
 
 def record_rejected(rt: Runtime, api: str, error: ApiError) -> None:
@@ -95,6 +131,7 @@ def build_event(
         error=EventError(type=str(error.status), message=error.message) if error else None,
         prompt_text=_kept_prompt(rt, p) if error is None else None,
         end_user=p.chat.end_user,
+        traceparent=p.traceparent.header(),
     )
 
 

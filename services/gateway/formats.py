@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from services.gateway.errors import ApiError, error_body
+from services.gateway.intake import Prepared
 from services.gateway.logprobs import TokenText, chat_logprobs, completion_logprobs
-from services.gateway.pipeline import Final, Prepared
+from services.gateway.pipeline import Final
 
 OPENAI_FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 ANTHROPIC_STOP = {"stop": "end_turn", "length": "max_tokens", "cancelled": "end_turn"}

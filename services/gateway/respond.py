@@ -13,8 +13,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from services.gateway.errors import ApiError
 from services.gateway.events import record
 from services.gateway.formats import Choice, StreamFormat
+from services.gateway.intake import Prepared, upfront_headers
 from services.gateway.logprobs import TokenText
-from services.gateway.pipeline import Final, Prepared, execute, final_headers, upfront_headers
+from services.gateway.pipeline import Final, execute, final_headers
 from services.gateway.runtime import Runtime
 
 Body = Callable[[list[Choice], str, TokenText], dict[str, Any]]

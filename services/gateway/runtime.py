@@ -16,6 +16,7 @@ from services.config import Settings
 from services.gateway.engine_thread import EngineWorker
 from services.gateway.fallback import KnowledgeBase
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.tracing import Tracing
 from services.gateway.trust import TrustJudge, load_judge, reload_judge, serving_versions
 from services.telemetry.schema import TelemetryEvent
 from sparse_engine.runtime.engine import Engine
@@ -79,6 +80,7 @@ class Runtime:
     sink: TelemetrySink | None = None
     upstream: httpx.AsyncClient | None = None
     control: ControlListener | None = None
+    tracing: Tracing | None = None  # OTLP span export, when an endpoint is configured
     jobs: JobClients = field(init=False)
     trust: TrustJudge = field(init=False)
     knowledge: KnowledgeBase = field(init=False)

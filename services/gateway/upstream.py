@@ -16,13 +16,14 @@ log = logging.getLogger(__name__)
 
 
 async def stream_upstream(
-    client: httpx.AsyncClient, settings: GatewaySettings, chat: ChatInput
+    client: httpx.AsyncClient, settings: GatewaySettings, chat: ChatInput, traceparent: str
 ) -> AsyncIterator[str]:
-    """Text deltas of the upstream answer. Upstream failures become 502, time-outs 504."""
+    """Text deltas of the upstream answer, asked for within the request's trace (W3C
+    `traceparent`). Upstream failures become 502, time-outs 504."""
     if not settings.upstream_url:
         raise ApiError(502, "proxy mode needs an upstream URL (SPARSEGUARD_GATEWAY__UPSTREAM_URL)")
     url = settings.upstream_url.rstrip("/") + "/chat/completions"
-    headers = {"accept": "text/event-stream"}
+    headers = {"accept": "text/event-stream", "traceparent": traceparent}
     if settings.upstream_api_key is not None:
         headers["authorization"] = f"Bearer {settings.upstream_api_key.get_secret_value()}"
     body = {

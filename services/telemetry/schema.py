@@ -15,7 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = "1.3"  # 1.1 prompt_text; 1.2 trust reasons, token confidence; 1.3 end_user
+SCHEMA_VERSION = (
+    "1.3"  # 1.1 prompt_text; 1.2 trust reasons, token confidence; 1.3 end_user, traceparent
+)
 SUPPORTED_MAJOR = "1"
 CE_TYPE = "io.sparseguard.telemetry.v1"
 CE_SOURCE = "sparseguard/gateway"
@@ -95,6 +97,9 @@ class TelemetryEvent(BaseModel):
     end_user: str | None = Field(
         None, description="sha256 prefix of the caller's end-user id (user, metadata.user_id)"
     )
+    traceparent: str | None = Field(
+        None, description="the request's W3C trace context (also a Kafka header)"
+    )
 
     @field_validator("time")
     @classmethod
@@ -124,6 +129,8 @@ def to_record(event: TelemetryEvent) -> tuple[bytes, bytes, Headers]:
         ("ce_time", ce_time(event).encode()),
         ("content-type", CONTENT_TYPE.encode()),
     ]
+    if event.traceparent:
+        headers.append(("traceparent", event.traceparent.encode()))
     return partition_key(event), event.model_dump_json().encode(), headers
 
 

@@ -27,8 +27,8 @@ from services.gateway.inputs import (
     from_completion,
     from_openai,
 )
+from services.gateway.intake import Prepared, choices, prepare
 from services.gateway.logprobs import TokenText
-from services.gateway.pipeline import Prepared, choices, prepare
 from services.gateway.respond import Body, respond_json, respond_stream, token_text
 from services.gateway.runtime import Runtime
 from services.gateway.schemas import (
@@ -37,6 +37,7 @@ from services.gateway.schemas import (
     CountTokensRequest,
     MessagesRequest,
 )
+from services.gateway.tracing import TraceParent
 
 router = APIRouter()
 T = TypeVar("T")
@@ -84,7 +85,8 @@ async def _reply(
     stream_format: Stream,
     body: Body,
 ) -> Reply:
-    prepared = [q for chat in inputs for q in choices(prepare(rt, chat))]
+    caller = TraceParent.parse(request.headers)
+    prepared = [q for chat in inputs for q in choices(rt, prepare(rt, chat, caller))]
     if inputs[0].stream:
         fmt = stream_format(prepared[0], rt.engine.lm.model_id, token_text(rt))
         return await respond_stream(rt, prepared, fmt)
