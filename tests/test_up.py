@@ -44,6 +44,12 @@ def window_sources(port: int) -> set[str]:
     }
 
 
+def balanced_requests(port: int) -> int:
+    """Requests in the balanced 1-hour window (the test's traffic all falls in it)."""
+    keys = httpx.get(f"http://127.0.0.1:{port}/windows", timeout=5).json()["keys"]
+    return sum(k["windows"]["1h"]["requests"] for k in keys if k["level"] == "balanced")
+
+
 @pytest.mark.slow
 def test_up_runs_the_stack_restarts_a_crashed_child_and_stops_cleanly(
     home: Path, calibrated_store: CalibrationStore, tmp_path: Path
@@ -94,7 +100,7 @@ def test_up_runs_the_stack_restarts_a_crashed_child_and_stops_cleanly(
 
         log = Path(err.name)
         pids = {name: int(pid) for name, pid in STARTED.findall(log.read_text())}
-        assert set(pids) == {"gateway", "aggregator", "worker", "beat"}
+        assert set(pids) == {"broker", "gateway", "aggregator", "worker", "beat"}
         os.kill(pids["aggregator"], signal.SIGKILL)
         wait_until(
             lambda: (
@@ -104,6 +110,20 @@ def test_up_runs_the_stack_restarts_a_crashed_child_and_stops_cleanly(
             0.2,
         )
         wait_until(lambda: Path(err.name).read_text().count("aggregator is ready") == 2, 60, 0.2)
+
+        # The broker dies: it comes back on the same address, empty; the aggregator makes the
+        # topics again and the next request's event reaches its windows.
+        before = balanced_requests(ports["aggregator"])
+        os.kill(pids["broker"], signal.SIGKILL)
+        wait_until(lambda: Path(err.name).read_text().count("broker is ready") == 2, 60, 0.2)
+        assert "broker exited with code -9; restarting (1/3)" in Path(err.name).read_text()
+        after_restart = httpx.post(
+            f"{gateway}/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "Hi again"}], "max_tokens": 4},
+            timeout=60,
+        )
+        assert after_restart.status_code == 200
+        wait_until(lambda: balanced_requests(ports["aggregator"]) > before, 90, 1.0)
         children = [
             int(pid)
             for _, pid in re.findall(r"started (\w+) \(pid (\d+)\)", Path(err.name).read_text())

@@ -17,6 +17,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.errors import KafkaError
 from sqlalchemy.orm import Session, sessionmaker
 
 from alerts.samples import pipeline_sample
@@ -35,6 +36,7 @@ from services.storage.repository import (
     summaries_since,
 )
 from services.telemetry.schema import TelemetryEvent
+from services.telemetry.topics import ensure_topics, topic_specs
 
 log = logging.getLogger(__name__)
 Hook = Callable[[], None]
@@ -90,6 +92,7 @@ class Aggregator:
                 self._periodic()
                 if time.monotonic() - last_lag > LAG_INTERVAL_S:
                     self._report_lag(consumer)
+                    self._ensure_topics()
                     last_lag = time.monotonic()
         finally:
             consumer.close(autocommit=False)
@@ -222,6 +225,16 @@ class Aggregator:
         )
         consumer.subscribe([cfg.topic], listener=_Rebalance(self))
         return consumer
+
+    def _ensure_topics(self) -> None:
+        """Create the topics again if they are gone: a restarted broker with memory storage
+        comes back without them, and the consumer would wait for a topic nobody creates
+        until the next event is produced."""
+        cfg = self.settings.telemetry
+        try:
+            ensure_topics(cfg.bootstrap_servers, topic_specs(cfg))
+        except (KafkaError, OSError) as exc:
+            log.debug("topics not checked (%s)", exc)
 
     def _report_lag(self, consumer: KafkaConsumer) -> None:
         assigned = consumer.assignment()

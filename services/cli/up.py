@@ -62,9 +62,9 @@ def run_up(args: argparse.Namespace, settings: Settings) -> int:
         )
     upgrade(settings.database_url)
     broker = Broker(port=broker_port)
-    broker.start()
     env = {**os.environ, "SPARSEGUARD_TELEMETRY__BOOTSTRAP_SERVERS": broker.bootstrap}
-    supervisor = Supervisor(stack(settings), env, max_restarts=args.max_restarts)
+    children = [broker_spec(broker), *stack(settings)]
+    supervisor = Supervisor(children, env, max_restarts=args.max_restarts)
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -81,7 +81,6 @@ def run_up(args: argparse.Namespace, settings: Settings) -> int:
     finally:
         emit("stopping SparseGuard ...")
         supervisor.stop()
-        broker.stop()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         emit("stopped; nothing left running")
@@ -96,6 +95,14 @@ def stack(settings: Settings) -> list[ChildSpec]:
         ChildSpec("worker", [SPARSEGUARD, "worker"], says(" ready.")),
         ChildSpec("beat", [SPARSEGUARD, "beat"], says("beat lock acquired", "standing by")),
     ]
+
+
+def broker_spec(broker: Broker) -> ChildSpec:
+    """The broker is supervised like the others: one that dies comes back on the same address
+    (empty: memory storage); the gateways replay their spools into it and the producers and
+    the aggregator create the topics again."""
+    port = broker.port
+    return ChildSpec("broker", broker.command(), lambda _: accepts_connections(port), 30.0, True)
 
 
 def http_ok(url: str) -> Any:
