@@ -38,7 +38,9 @@ def completion_logprobs(
         tops += [
             top if k else None for k, top in enumerate(_padded(stats.prompt_top_logprobs, ids))
         ]
-    generated = stats.token_ids
+    # Every sampled token, the end-of-sequence one that stopped it included (its text is not
+    # in the answer): a caller that asked for one token and drops it gets the prompt's.
+    generated = stats.token_ids + ([stats.stop_token] if stats.stop_token is not None else [])
     ids += generated
     logprobs += stats.token_logprobs[: len(generated)]
     tops += _padded(stats.top_logprobs, generated)

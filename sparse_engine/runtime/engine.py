@@ -202,6 +202,7 @@ class Engine:
             request.logit_bias,
         )
         finish = "length"
+        stop_token: int | None = None
         started = time.perf_counter()
         fast = self._fast_for(plan, len(prompt_ids) + request.max_new_tokens)
         readout = self._readout(len(prompt_ids)) if request.readout else None
@@ -233,7 +234,7 @@ class Engine:
                 if recorder is not None or request.top_logprobs:
                     confidence.observe(logits, token)
                 if token in eos:
-                    finish = "stop"
+                    finish, stop_token = "stop", token
                     break
                 generated.append(token)
                 delta, stopped = decoder.push(generated)
@@ -275,6 +276,7 @@ class Engine:
             token_logprobs=confidence.logprobs,
             token_entropies=confidence.entropies,
             readout=readout.result() if readout is not None else None,
+            stop_token=stop_token,
             top_logprobs=confidence.top_logprobs,
             prompt_ids=list(prompt_ids) if request.echo_logprobs else [],
             prompt_logprobs=echo[0],

@@ -59,6 +59,7 @@ class GenerationStats:
     token_logprobs: list[float] = field(default_factory=list)
     token_entropies: list[float] = field(default_factory=list)
     readout: AnswerReadout | None = None
+    stop_token: int | None = None  # the end-of-sequence token that ended it, if one did
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     # With `echo_logprobs`: the prompt's token ids, each one's log-probability given those
     # before it (None for the first) and the likeliest alternatives there.
