@@ -68,3 +68,44 @@ def _content(kwargs: dict[str, Any]) -> bytes | None:
         return json.dumps(kwargs["json"]).encode()
     data = kwargs.get("data")
     return data.encode() if isinstance(data, str) else data
+
+
+HOSTILE = [
+    b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}',
+    b'{"messages": [{"role": "user", "content": "a\\u0000b"}], "max_tokens": 2}',
+    b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1e400}',
+    b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
+    b'{"messages": [{"role": "user", "content": "x"}], "n": 99999999999999999999}',
+    b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"-1": 5}}',
+    b'{"messages": [{"role": "user", "content": "x"}], "stop": ["\\udfff"]}',
+    b'{"messages": ' + b"[" * 500 + b"]" * 500 + b"}",
+    b'{"prompt": [[1, 2], "mixed"], "max_tokens": 2}',
+    b'{"prompt": [99999999999], "max_tokens": 2}',
+    b'{"prompt": "x", "logprobs": 5, "echo": true, "max_tokens": 2}',
+    b'{"\\ud800": 1, "messages": [{"role": "user", "content": "x"}]}',
+    b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "\\udc00": 1}]}]}',
+    b"[]",
+    b'"just a string"',
+]
+POSTS = ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens"]
+
+
+@pytest.mark.parametrize("path", POSTS)
+def test_hostile_bodies_get_a_4xx_in_the_apis_shape(base_url: str, path: str) -> None:
+    """A set of hostile requests (lone surrogates, NUL bytes, overflowing and non-finite
+    numbers, deep nesting, token ids outside the vocabulary) on every POST endpoint: each is
+    answered (a 4xx in the endpoint's error shape, or a 200), never a 500 or a hang."""
+    for body in HOSTILE:
+        response = httpx.post(
+            f"{base_url}{path}",
+            content=body,
+            headers={"content-type": "application/json"},
+            timeout=30,
+        )
+        assert response.status_code < 500, (body[:80], response.text[:200])
+        if response.status_code >= 400:
+            error = response.json()
+            shape = error["error"]["type"] if "error" in error else None
+            assert shape, (body[:80], error)
+            if path.startswith("/v1/messages"):
+                assert error["type"] == "error", error
