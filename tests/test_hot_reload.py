@@ -221,13 +221,15 @@ def _send_raw(telemetry: TelemetrySettings, value: bytes | str) -> None:
 # -- admin endpoints -------------------------------------------------------------------------
 
 ADMIN = {"x-api-key": "sk-admin"}
+TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 
 
 def test_admin_recalibrate_queues_a_job_and_sends_its_task(tmp_path: Path) -> None:
     keys = {"api_key_hashes": [hash_key("sk-user")], "admin_key_hashes": [hash_key("sk-admin")]}
     settings = settings_for(tmp_path, **keys)
     with running_gateway(settings, tiny_engine(), RecordingSink()) as url:
-        queued = httpx.post(f"{url}/admin/recalibrate", json={"level": "balanced"}, headers=ADMIN)
+        traced = {**ADMIN, "traceparent": f"00-{TRACE}-00f067aa0ba902b7-01"}
+        queued = httpx.post(f"{url}/admin/recalibrate", json={"level": "balanced"}, headers=traced)
         job_id = queued.json()["job_id"]
         job = httpx.get(f"{url}/admin/jobs/{job_id}", headers=ADMIN)
         missing = httpx.get(f"{url}/admin/jobs/{job_id + 1}", headers=ADMIN)
@@ -251,7 +253,7 @@ def test_admin_recalibrate_queues_a_job_and_sends_its_task(tmp_path: Path) -> No
     )
     assert row["params"] == {"level": "balanced", "model": settings.engine.model}
     assert row["created_at"] and row["started_at"] is None and row["finished_at"] is None
-    assert row["trace_id"] and row["result"] is None
+    assert row["trace_id"] == TRACE and row["result"] is None  # the caller's trace
     assert missing.status_code == 404 and f"no job {job_id + 1}" in missing.text
     assert huge.status_code == 400
     assert dense.status_code == 400 and "dense level has no calibration" in dense.text

@@ -4,14 +4,14 @@ recalibration job) and GET /admin/jobs/{job_id} (follows it)."""
 from __future__ import annotations
 
 import dataclasses
-import uuid
 from typing import Annotated
 
-from fastapi import APIRouter, Path
+from fastapi import APIRouter, Path, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.gateway.deps import AdminDep, RuntimeDep
 from services.gateway.errors import ApiError
+from services.gateway.tracing import TraceParent
 from services.gateway.trust import serving_versions
 from services.storage.models import JobRun
 from services.workers.jobs import JobView, submit
@@ -57,13 +57,16 @@ async def admin_status(rt: RuntimeDep, _: AdminDep) -> dict[str, object]:
 
 # Plain `def` handlers: the job table and the broker are blocking clients, run in a thread.
 @router.post("/recalibrate", status_code=202)
-def recalibrate(body: RecalibrateRequest, rt: RuntimeDep, _: AdminDep) -> JobQueued:
+def recalibrate(
+    body: RecalibrateRequest, rt: RuntimeDep, _: AdminDep, request: Request
+) -> JobQueued:
     """Queue a recalibration of `level` (this gateway's model unless `model` is given); the
-    new version reaches every gateway on the control topic once the job has made it."""
+    new version reaches every gateway on the control topic once the job has made it. The job
+    runs in the caller's trace (an incoming `traceparent`), or in a new one."""
     level = _sparse_level(body.level)
     params = {"level": level.value, "model": body.model or rt.settings.engine.model}
     sessions, celery = rt.jobs.open()
-    trace_id = uuid.uuid4().hex
+    trace_id = (TraceParent.parse(request.headers) or TraceParent.new()).trace_id
     job_id = submit(sessions, celery, "recalibrate", "operator", params, trace_id=trace_id)
     return JobQueued(job_id=job_id, status="queued")
 
