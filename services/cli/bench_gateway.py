@@ -8,6 +8,8 @@ import concurrent.futures
 import logging
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -15,6 +17,14 @@ import httpx
 from services.cli.common import emit, emit_json
 from services.config import Settings, TelemetrySettings
 from services.gateway.app import create_app
+from services.gateway.events import record
+from services.gateway.formats import Choice, openai_body
+from services.gateway.inputs import from_openai
+from services.gateway.intake import prepare
+from services.gateway.pipeline import Final
+from services.gateway.respond import token_text
+from services.gateway.runtime import Runtime
+from services.gateway.schemas import ChatCompletionRequest
 from services.shared.engine import build_engine
 from services.shared.serving import serve
 from sparse_engine.runtime.engine import Engine, GenerationRequest
@@ -33,20 +43,33 @@ def register(bench: Any) -> None:
 
 
 def run_gateway_bench(args: argparse.Namespace, settings: Settings) -> int:
+    """Like for like: greedy decoding (the same tokens both ways), the request the gateway
+    makes (the trust readout on), drift sampling off and its dense pass timed apart."""
     level = Level.parse(args.level)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     engine = build_engine(settings, prefix_cache=True)
-    direct = [_direct(engine, level, args.max_tokens) for _ in range(args.requests)]
+    request = GenerationRequest(
+        messages=MESSAGES, max_new_tokens=args.max_tokens, temperature=0.0, readout=True
+    )
+    direct = [_timed(engine, request, level) for _ in range(args.requests)]
+    drift = [_timed(engine, replace(request, measure_drift=True), level) for _ in range(5)]
     # Telemetry off: this measures the HTTP path; the producer is asynchronous by design.
-    quiet = settings.model_copy(update={"telemetry": TelemetrySettings(enabled=False)})
-    with serve(create_app(quiet, engine=engine)) as url:
+    quiet = settings.model_copy(
+        update={
+            "telemetry": TelemetrySettings(enabled=False),
+            "engine": settings.engine.model_copy(update={"drift_sample_rate": 0.0}),
+        }
+    )
+    app = create_app(quiet, engine=engine)
+    with serve(app) as url:
         body = {
             "messages": MESSAGES,
             "max_tokens": args.max_tokens,
             "ir_sparse_level": level.value,
-            "temperature": 1.0,
+            "temperature": 0,
         }
         via = [_post(url, body)[1] for _ in range(args.requests)]
+        stages = _stages(app.state.runtime, url, body, engine, request, level)
         loads = {n: _load(url, body, n, max(args.requests, n * 2)) for n in (1, 4, 16)}
     report: dict[str, Any] = {
         "direct_ms": _percentiles(direct),
@@ -54,6 +77,8 @@ def run_gateway_bench(args: argparse.Namespace, settings: Settings) -> int:
         "added_ms": {
             k: round(_percentiles(via)[k] - _percentiles(direct)[k], 1) for k in ("p50", "p99")
         },
+        "drift_pass_ms": round(statistics.median(drift) - statistics.median(direct), 1),
+        "stages_ms": stages,
         "load": loads,
     }
     if args.json:
@@ -64,17 +89,58 @@ def run_gateway_bench(args: argparse.Namespace, settings: Settings) -> int:
     rows["added latency"] = report["added_ms"]
     for label, row in rows.items():
         emit(f"{label:15} p50 {row['p50']:8.1f} ms  p99 {row['p99']:8.1f} ms")
+    emit(f"drift sample's dense pass (apart): {report['drift_pass_ms']} ms")
+    emit("stages of the added latency, each timed alone (median ms):")
+    for name, ms in stages.items():
+        emit(f"  {name:32} {ms:8.2f}")
     for n, load in loads.items():
         rate, ok, errors = load["requests_per_s"], load["ok"], load["errors"]
         emit(f"{n:>2} clients: {rate:.2f} req/s, {ok} ok, {errors} errors {load['statuses']}")
     return 0
 
 
-def _direct(engine: Engine, level: Level, max_tokens: int) -> float:
+def _timed(engine: Engine, request: GenerationRequest, level: Level) -> float:
     started = time.perf_counter()
-    request = GenerationRequest(messages=MESSAGES, max_new_tokens=max_tokens, temperature=1.0)
     engine.generate(request, level).result()
     return (time.perf_counter() - started) * 1000
+
+
+def _stages(
+    rt: Runtime,
+    url: str,
+    body: dict[str, Any],
+    engine: Engine,
+    request: GenerationRequest,
+    level: Level,
+) -> dict[str, float]:
+    """The gateway's own steps on this request, each repeated and timed alone."""
+    chat = from_openai(ChatCompletionRequest.model_validate(body))
+    p = prepare(rt, chat)
+    generation = engine.generate(request, level)
+    "".join(generation)
+    stats = generation.result()
+    final = Final(stats, rt.trust.assess(stats, MESSAGES[0]["content"], False), 0.0)
+    steps: dict[str, Callable[[], object]] = {
+        "HTTP round trip (GET /healthz)": lambda: httpx.get(f"{url}/healthz"),
+        "validate + convert the body": lambda: from_openai(
+            ChatCompletionRequest.model_validate(body)
+        ),
+        "hygiene + policy + plan (prepare)": lambda: prepare(rt, chat),
+        "trust assessment": lambda: rt.trust.assess(stats, MESSAGES[0]["content"], False),
+        "telemetry event + metrics (record)": lambda: record(rt, p, final),
+        "response body": lambda: openai_body(
+            [Choice(p, final, stats.text)], engine.lm.model_id, token_text(rt)
+        ),
+    }
+    timings = {}
+    for name, step in steps.items():
+        runs = []
+        for _ in range(20):
+            started = time.perf_counter()
+            step()
+            runs.append((time.perf_counter() - started) * 1000)
+        timings[name] = round(statistics.median(runs), 2)
+    return timings
 
 
 def _post(url: str, body: dict[str, Any]) -> tuple[int, float]:
