@@ -4,11 +4,14 @@ client that disconnects stops its generation."""
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 from pathlib import Path
 
 import httpx
+import pytest
 
+from services.gateway.engine_thread import EngineWorker
 from tests.gateway_fixtures import GatedEngine, RecordingSink, running_gateway, settings_for
 from tests.polling import wait_until
 from tests.tiny import tiny_engine
@@ -75,3 +78,18 @@ def test_request_past_its_time_limit_answers_504(tmp_path: Path) -> None:
         response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == 504
     assert "within 0.5 s" in response.json()["error"]["message"]
+
+
+def test_calls_run_on_the_engine_thread_in_turn() -> None:
+    """`call` runs on the one engine thread (where the gateway loads the model, so PyTorch's
+    thread pool is that thread's), after the jobs queued before it; errors come back."""
+    worker = EngineWorker(queue_size=4)
+    try:
+        first = worker.call(threading.get_ident).result(timeout=10)
+        again = worker.call(threading.get_ident).result(timeout=10)
+        assert first == again != threading.get_ident()
+        failing = worker.call(lambda: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            failing.result(timeout=10)
+    finally:
+        worker.close()

@@ -25,12 +25,12 @@ from services.gateway.pipeline import Final
 from services.gateway.respond import token_text
 from services.gateway.runtime import Runtime
 from services.gateway.schemas import ChatCompletionRequest
-from services.shared.engine import build_engine
 from services.shared.serving import serve
-from sparse_engine.runtime.engine import Engine, GenerationRequest
+from sparse_engine.runtime.engine import Engine, GenerationRequest, GenerationStats
 from sparse_engine.sparsity.plan import Level
 
 MESSAGES = [{"role": "user", "content": "Name three primary colours."}]
+WARM_UP = 2
 
 
 def register(bench: Any) -> None:
@@ -44,15 +44,14 @@ def register(bench: Any) -> None:
 
 def run_gateway_bench(args: argparse.Namespace, settings: Settings) -> int:
     """Like for like: greedy decoding (the same tokens both ways), the request the gateway
-    makes (the trust readout on), drift sampling off and its dense pass timed apart."""
+    makes (the trust readout on), drift sampling off and its dense pass timed apart. "Engine
+    direct" runs on the gateway's own engine, on its engine thread, between the requests (a
+    second copy of the model on another thread would compete with it for the cores)."""
     level = Level.parse(args.level)
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    engine = build_engine(settings, prefix_cache=True)
     request = GenerationRequest(
         messages=MESSAGES, max_new_tokens=args.max_tokens, temperature=0.0, readout=True
     )
-    direct = [_timed(engine, request, level) for _ in range(args.requests)]
-    drift = [_timed(engine, replace(request, measure_drift=True), level) for _ in range(5)]
     # Telemetry off: this measures the HTTP path; the producer is asynchronous by design.
     quiet = settings.model_copy(
         update={
@@ -60,23 +59,36 @@ def run_gateway_bench(args: argparse.Namespace, settings: Settings) -> int:
             "engine": settings.engine.model_copy(update={"drift_sample_rate": 0.0}),
         }
     )
-    app = create_app(quiet, engine=engine)
-    with serve(app) as url:
+    app = create_app(quiet)  # loads its engine on its engine thread, as served
+    # One client with keep-alive, as SDKs use: a new httpx client per request costs ~20 ms
+    # (its TLS context), which is the client's and not the gateway's.
+    limits = httpx.Limits(max_connections=32)
+    with serve(app) as url, httpx.Client(limits=limits) as client:
+        rt: Runtime = app.state.runtime
         body = {
             "messages": MESSAGES,
             "max_tokens": args.max_tokens,
             "ir_sparse_level": level.value,
             "temperature": 0,
         }
-        via = [_post(url, body)[1] for _ in range(args.requests)]
-        stages = _stages(app.state.runtime, url, body, engine, request, level)
-        loads = {n: _load(url, body, n, max(args.requests, n * 2)) for n in (1, 4, 16)}
+        for _ in range(WARM_UP):
+            _post(client, url, body)
+        direct, via = [], []
+        for _ in range(args.requests):  # interleaved: both see the same machine state
+            direct.append(rt.worker.call(lambda: _timed(rt.engine, request, level)).result())
+            via.append(_post(client, url, body)[1])
+        with_drift = replace(request, measure_drift=True)
+        drift = [
+            rt.worker.call(lambda: _timed(rt.engine, with_drift, level)).result() for _ in range(5)
+        ]
+        stats = rt.worker.call(lambda: _generated(rt.engine, request, level)).result()
+        stages = _stages(rt, client, url, body, stats)
+        loads = {n: _load(client, url, body, n, max(args.requests, n * 2)) for n in (1, 4, 16)}
     report: dict[str, Any] = {
         "direct_ms": _percentiles(direct),
         "gateway_ms": _percentiles(via),
-        "added_ms": {
-            k: round(_percentiles(via)[k] - _percentiles(direct)[k], 1) for k in ("p50", "p99")
-        },
+        # Per pair (each request against the direct run just before it), then percentiles.
+        "added_ms": _percentiles([v - d for v, d in zip(via, direct, strict=True)]),
         "drift_pass_ms": round(statistics.median(drift) - statistics.median(direct), 1),
         "stages_ms": stages,
         "load": loads,
@@ -105,23 +117,21 @@ def _timed(engine: Engine, request: GenerationRequest, level: Level) -> float:
     return (time.perf_counter() - started) * 1000
 
 
+def _generated(engine: Engine, request: GenerationRequest, level: Level) -> GenerationStats:
+    generation = engine.generate(request, level)
+    "".join(generation)
+    return generation.result()
+
+
 def _stages(
-    rt: Runtime,
-    url: str,
-    body: dict[str, Any],
-    engine: Engine,
-    request: GenerationRequest,
-    level: Level,
+    rt: Runtime, client: httpx.Client, url: str, body: dict[str, Any], stats: GenerationStats
 ) -> dict[str, float]:
     """The gateway's own steps on this request, each repeated and timed alone."""
     chat = from_openai(ChatCompletionRequest.model_validate(body))
     p = prepare(rt, chat)
-    generation = engine.generate(request, level)
-    "".join(generation)
-    stats = generation.result()
     final = Final(stats, rt.trust.assess(stats, MESSAGES[0]["content"], False), 0.0)
     steps: dict[str, Callable[[], object]] = {
-        "HTTP round trip (GET /healthz)": lambda: httpx.get(f"{url}/healthz"),
+        "HTTP round trip (GET /healthz)": lambda: client.get(f"{url}/healthz"),
         "validate + convert the body": lambda: from_openai(
             ChatCompletionRequest.model_validate(body)
         ),
@@ -129,7 +139,7 @@ def _stages(
         "trust assessment": lambda: rt.trust.assess(stats, MESSAGES[0]["content"], False),
         "telemetry event + metrics (record)": lambda: record(rt, p, final),
         "response body": lambda: openai_body(
-            [Choice(p, final, stats.text)], engine.lm.model_id, token_text(rt)
+            [Choice(p, final, stats.text)], rt.engine.lm.model_id, token_text(rt)
         ),
     }
     timings = {}
@@ -143,19 +153,21 @@ def _stages(
     return timings
 
 
-def _post(url: str, body: dict[str, Any]) -> tuple[int, float]:
+def _post(client: httpx.Client, url: str, body: dict[str, Any]) -> tuple[int, float]:
     started = time.perf_counter()
     try:
-        status = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).status_code
+        status = client.post(f"{url}/v1/chat/completions", json=body, timeout=120).status_code
     except httpx.HTTPError:
         status = 0
     return status, (time.perf_counter() - started) * 1000
 
 
-def _load(url: str, body: dict[str, Any], clients: int, total: int) -> dict[str, Any]:
+def _load(
+    client: httpx.Client, url: str, body: dict[str, Any], clients: int, total: int
+) -> dict[str, Any]:
     started = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-        results = list(pool.map(lambda _: _post(url, body), range(total)))
+        results = list(pool.map(lambda _: _post(client, url, body), range(total)))
     elapsed = time.perf_counter() - started
     statuses: dict[int, int] = {}
     for status, _ in results:
