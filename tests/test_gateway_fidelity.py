@@ -342,3 +342,13 @@ def test_a_lone_surrogate_is_a_400(url: str, path: str, sink: RecordingSink) -> 
     )
     assert response.status_code == 400 and "surrogate" in response.text
     assert len(sink.events) == before + 1 and sink.events[-1].status == "error"
+
+
+def test_a_failed_choice_leaves_an_event_for_every_choice(url: str, sink: RecordingSink) -> None:
+    before = len(sink.events)
+    too_long = {"messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 300, "n": 3}
+    response = httpx.post(f"{url}/v1/chat/completions", json=too_long, timeout=30)
+    assert response.status_code == 400 and "context" in response.json()["error"]["message"]
+    events = sink.events[before:]
+    assert [e.status for e in events] == ["error"] * 3
+    assert len({e.trace_id for e in events}) == 3

@@ -66,6 +66,10 @@ async def _collect_all(rt: Runtime, ps: list[Prepared]) -> list[Choice]:
             for waiting in ps[i:]:
                 record(rt, waiting, None, ApiError(499, "client disconnected"))
             raise
+        except ApiError as error:  # recorded for this choice; the rest never run
+            for never_run in ps[i + 1 :]:
+                record(rt, never_run, None, ApiError(error.status, error.message))
+            raise
     return choices
 
 
@@ -107,6 +111,8 @@ async def _events(
             record(rt, p, final)
         except ApiError as error:
             record(rt, p, final, error)
+            for never_run in ps[index + 1 :]:
+                record(rt, never_run, None, ApiError(error.status, error.message))
             yield fmt.error(error)
             return
         except asyncio.CancelledError:
