@@ -86,7 +86,8 @@ def test_low_sparsity_fires_alert_queues_job_and_delivers_signed_webhook(
         AggregatorMetrics(registry),
         alerting=AlertLoop(alerts, sessions, registry),
     )
-    produce(settings, [event("m1", "balanced", sparsity_ratio=0.2) for _ in range(5)])
+    events = [event("m1", "balanced", sparsity_ratio=0.2) for _ in range(5)]
+    produce(settings, events)
     with running(aggregator):
         wait_until(lambda: aggregator.folded == 5)
         assert aggregator.evaluate_alerts() == 1
@@ -95,6 +96,10 @@ def test_low_sparsity_fires_alert_queues_job_and_delivers_signed_webhook(
         jobs = session.scalars(select(JobRun)).all()
     assert [(a.name, a.state) for a in history] == [("SparsityBelowTarget", "firing")]
     assert history[0].annotations["summary"] == "Sparsity below target on m1"
+    # The alert leads to the requests behind it, and its job runs in the latest one's trace.
+    latest = [e.trace_id for e in reversed(events)]
+    assert history[0].annotations["trace_ids"] == ",".join(latest)
+    assert jobs[0].trace_id == latest[0]
     assert [(j.kind, j.status, j.reason) for j in jobs] == [
         ("recalibrate", "queued", "alert:SparsityBelowTarget")
     ]

@@ -29,7 +29,13 @@ from services.config import (
     TelemetrySettings,
 )
 from services.storage.db import make_engine, session_factory, upgrade
-from services.storage.models import CalibrationRecord, GoldenRun, JobRun, RequestSummary
+from services.storage.models import (
+    AlertRecord,
+    CalibrationRecord,
+    GoldenRun,
+    JobRun,
+    RequestSummary,
+)
 from services.storage.repository import flags
 from services.telemetry import control
 from services.workers import jobs
@@ -198,11 +204,16 @@ def test_alert_actions_queue_and_send_a_recalibration_and_raise_the_finetune_fla
         labels={"model": "m1", "level": "aggressive", "window": "5m"},
         values={"drift_kl_mean": 2.0, "requests": 100.0},
     )
-    transitions = loop.tick({}, [sample], NOW)
+    traces = {("m1", "aggressive"): ["a" * 32, "b" * 32], ("m1", "balanced"): ["c" * 32]}
+    transitions = loop.tick({}, [sample], NOW, exemplars=traces)
     assert [t.state for t in transitions] == ["firing"]
     with sessions() as session:
         (job,) = session.scalars(select(JobRun)).all()
         (flag,) = flags(session)
+        (alert,) = session.scalars(select(AlertRecord)).all()
+    # The alert names its key's latest requests, newest first; the job runs in the newest's trace.
+    assert alert.annotations["trace_ids"] == f"{'b' * 32},{'a' * 32}"
+    assert job.trace_id == "b" * 32
     assert (job.kind, job.reason, job.params["level"]) == (
         "recalibrate",
         "alert:DriftHigh",

@@ -8,6 +8,7 @@ raises the model's fine-tune flag."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import cast
 
@@ -29,6 +30,7 @@ from services.workers import jobs
 
 log = logging.getLogger(__name__)
 Snapshot = dict[tuple[str, str], dict[str, WindowSummary]]
+Exemplars = Mapping[tuple[str, str], Sequence[str]]  # trace ids per (model, level), oldest first
 ALERTING_METRICS = (
     MetricSpec("alert_transitions_total", Counter, "Alert state changes", ("alertname", "state")),
     MetricSpec("alert_actions_total", Counter, "Actions requested by alerts", ("action",)),
@@ -53,15 +55,23 @@ class AlertLoop:
         self.state = EvalState()
         self.external_url = external_url
         self.celery = celery  # None: jobs stay queued until the redispatch sweep sends them
+        self.exemplars: Exemplars = {}
         metrics = declare(registry, ALERTING_METRICS)
         self.transitions_total = cast(Counter, metrics["alert_transitions_total"])
         self.actions_total = cast(Counter, metrics["alert_actions_total"])
 
     def tick(
-        self, snapshot: Snapshot, pipeline: list[Sample], now: datetime | None = None
+        self,
+        snapshot: Snapshot,
+        pipeline: list[Sample],
+        now: datetime | None = None,
+        exemplars: Exemplars | None = None,
     ) -> list[Transition]:
-        """One evaluation: returns the transitions, already stored and queued."""
+        """One evaluation: returns the transitions, already stored and queued. `exemplars`:
+        the latest requests' trace ids per (model, level), named in an alert's annotations
+        (`trace_ids`) and carried by the jobs it queues, so an alert leads to its traces."""
         now = now or datetime.now(UTC)
+        self.exemplars = exemplars or {}
         samples = samples_from_windows(snapshot) + pipeline
         self.state, transitions = evaluate(
             self.state, self.rules, samples, now, self.settings.repeat_interval_s
@@ -80,7 +90,7 @@ class AlertLoop:
         queued: list[int] = []
         for t in transitions:
             self.transitions_total.labels(t.rule.name, t.state).inc()
-            session.add(_history(t, now))
+            session.add(_history(t, now, self._traces(t)))
             if t.notify and t.state == "firing":
                 queued += self._actions(session, t)
         notify = [t for t in transitions if t.notify and "webhook" in t.rule.actions]
@@ -89,7 +99,7 @@ class AlertLoop:
             for receiver in self.settings.receivers:
                 payload = build_payload(
                     receiver.name,
-                    [_notice(t, self.external_url) for t in members],
+                    [_notice(t, self.external_url, self._traces(t)) for t in members],
                     group_labels,
                     self.external_url,
                 )
@@ -108,20 +118,32 @@ class AlertLoop:
             details = {"labels": t.labels, "fingerprint": t.fingerprint, "value": t.value}
             if action == "recalibrate" and t.labels.get("level", "dense") != "dense":
                 params = {"level": t.labels["level"], **details}
-                queued.append(jobs.create_job(session, action, f"alert:{t.rule.name}", params).id)
+                reason, traces = f"alert:{t.rule.name}", self._traces(t)
+                trace = traces[0] if traces else None  # the latest request of the key
+                queued.append(jobs.create_job(session, action, reason, params, trace).id)
             elif action == "flag_finetune" and "model" in t.labels:
                 set_flag(session, t.labels["model"], "finetune", f"alert:{t.rule.name}", details)
         return queued
 
+    def _traces(self, t: Transition) -> list[str]:
+        """The latest trace ids of the alert's model and level, newest first."""
+        key = (t.labels.get("model", ""), t.labels.get("level", ""))
+        return list(reversed(self.exemplars.get(key, ())))
 
-def _history(t: Transition, now: datetime) -> AlertRecord:
+
+def _annotations(t: Transition, traces: list[str]) -> dict[str, str]:
+    rendered = render_all(t.rule.annotations, t.labels, t.value)
+    return rendered | ({"trace_ids": ",".join(traces)} if traces else {})
+
+
+def _history(t: Transition, now: datetime, traces: list[str]) -> AlertRecord:
     return AlertRecord(
         fingerprint=t.fingerprint,
         name=t.rule.name,
         state=t.state,
         severity=t.rule.severity,
         labels=t.labels,
-        annotations=render_all(t.rule.annotations, t.labels, t.value),
+        annotations=_annotations(t, traces),
         value=t.value,
         starts_at=t.active_since,
         ends_at=now if t.state == "resolved" else None,
@@ -129,11 +151,11 @@ def _history(t: Transition, now: datetime) -> AlertRecord:
     )
 
 
-def _notice(t: Transition, external_url: str) -> AlertNotice:
+def _notice(t: Transition, external_url: str, traces: list[str]) -> AlertNotice:
     return AlertNotice(
         status="resolved" if t.state == "resolved" else "firing",
         labels=dict(t.labels),
-        annotations=render_all(t.rule.annotations, t.labels, t.value),
+        annotations=_annotations(t, traces),
         starts_at=t.active_since,
         ends_at=t.at if t.state == "resolved" else None,
         fingerprint=t.fingerprint,

@@ -41,6 +41,7 @@ from services.telemetry.topics import ensure_topics, topic_specs
 log = logging.getLogger(__name__)
 Hook = Callable[[], None]
 LAG_INTERVAL_S = 5.0
+EXEMPLARS = 5  # trace ids kept per (model, level) for alerts to name
 
 
 class Aggregator:
@@ -71,6 +72,8 @@ class Aggregator:
         self.folded = 0
         # event time -> fold time of recent events, for the pipeline benchmark and /windows
         self.recent_latency_s: deque[float] = deque(maxlen=10_000)
+        # The latest requests' trace ids per (model, level): what an alert names.
+        self.exemplars: dict[tuple[str, str], deque[str]] = {}
         self._last_snapshot = time.monotonic()
         self.alerting = alerting  # evaluates the windows this member owns
         self._last_evaluation = 0.0
@@ -164,7 +167,9 @@ class Aggregator:
         pipeline = [pipeline_sample("consumer_lag_events", self.lag_total, component="aggregator")]
         with self.sessions() as session:
             pipeline += job_samples(session, datetime.now(UTC), self.metrics)
-        return len(self.alerting.tick(self.snapshot(), pipeline))
+        with self.lock:
+            exemplars = {key: list(ids) for key, ids in self.exemplars.items()}
+        return len(self.alerting.tick(self.snapshot(), pipeline, exemplars=exemplars))
 
     def snapshot(self) -> dict[tuple[str, str], dict[str, WindowSummary]]:
         with self.lock:
@@ -206,6 +211,9 @@ class Aggregator:
             late_before = self.state.late_dropped
             windows.apply(self.state, events)
             late = self.state.late_dropped - late_before
+            for event in events:
+                key = (event.model, event.level)
+                self.exemplars.setdefault(key, deque(maxlen=EXEMPLARS)).append(event.trace_id)
         self.metrics.counter("events_late_total").inc(late)
         now = datetime.now(UTC)
         self.metrics.observe(events, now)
