@@ -1,6 +1,6 @@
 """The parts of the trust studies that decide their figures: passage-disjoint halves, the
-length-matched control spans, the retrieval policies' arithmetic, and each matrix cell's
-baselines."""
+length-matched control spans, the retrieval policies' arithmetic, each matrix cell's
+baselines, and what the temperature study counts as a loop."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import random
 import pytest
 
 from services.cli.retrieval_study import _policy
+from services.cli.temperature_study import looped
 from services.cli.trust_study import _judged
 from sparse_engine.trust.evaluate import QARecord
 from sparse_engine.trust.features import RequestSignals
@@ -79,3 +80,10 @@ def test_matrix_cells_report_the_best_baseline_in_its_better_direction() -> None
     cell = _judged(model, records)
     assert cell["best_baseline"] == "in_passage" and cell["best_baseline_auroc"] == 1.0
     assert cell["trust_auroc"] > 0.8 and cell["n"] == 120 and cell["wrong"] == 60
+
+
+def test_a_loop_is_a_three_token_sequence_four_times() -> None:
+    assert looped([1, 2, 3] * 4)
+    assert not looped([1, 2, 3] * 3 + [9])  # three times is not yet a loop
+    assert not looped(list(range(40))) and not looped([]) and not looped([5, 5])
+    assert looped([7] * 6)  # one token repeated: (7, 7, 7) four times
