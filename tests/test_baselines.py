@@ -44,7 +44,10 @@ def baseline_of(values: dict[str, list[float]], kinds: int = 2) -> LevelBaseline
     return LevelBaseline("balanced", n, [f"k{k}" for k in range(kinds)], 16, signals)
 
 
-@settings(max_examples=30, deadline=None)
+# Derandomized: conditional on one baseline the rate is random, and a baseline of 20 values
+# whose maximum falls under the 58th percentile (probability 2e-5) once gave a rate of 0.42;
+# the bound below is for typical baselines, the exact guarantee is tested on average below.
+@settings(max_examples=30, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 2**31), n=st.integers(20, 300), budget=st.sampled_from([0.01, 0.05]))
 def test_conformal_p_value_keeps_its_budget_on_exchangeable_values(
     seed: int, n: int, budget: float
