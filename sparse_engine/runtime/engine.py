@@ -5,29 +5,23 @@ from __future__ import annotations
 
 import inspect
 import logging
+import threading
 import time
 from collections.abc import Iterator
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
 from sparse_engine.model.arch import UnsupportedModelError
-from sparse_engine.model.chat import template_stops
 from sparse_engine.model.loader import LoadedModel
 from sparse_engine.runtime.fastpath import FastDecoder
 from sparse_engine.runtime.generation import Generation, GenerationRequest, GenerationStats, Message
 from sparse_engine.runtime.prefill import FastKV, FastKVState, Prefill, Prefilled, ReferenceKV
 from sparse_engine.runtime.prefix_cache import CacheKey, PrefixCache
-from sparse_engine.runtime.sampling import (
-    LogitAdjust,
-    TokenConfidence,
-    TopLogprobs,
-    eos_ids,
-    sample_next,
-)
-from sparse_engine.runtime.textstream import TextStream
+from sparse_engine.runtime.sampling import TopLogprobs
+from sparse_engine.runtime.sequence import Sequence
 from sparse_engine.sparsity import signals
 from sparse_engine.sparsity.hooks import read_out, sparsified
 from sparse_engine.sparsity.masking import ChannelMask, masked
@@ -158,10 +152,9 @@ class Engine:
     ) -> Generation:
         """Stream under `level`'s current plan, or under the given (pinned) plan."""
         plan = self.plan(level)
-        ids, plain = self.encode(request)
-        self.check_length(len(ids), request.max_new_tokens)
         generation = Generation()
-        generation._deltas = self._stream(generation, request, plan, ids, plain)
+        seq = self.start(request, plan, generation.cancelled)
+        generation._deltas = self._stream(generation, seq)
         return generation
 
     def semantic_drift(
@@ -176,112 +169,80 @@ class Engine:
             dense = self.lm.model(input_ids=ids).logits[0, len(prompt_ids) - 1 :]
         return float(signals.token_kl(dense, sparse_logits).mean())
 
-    def _stream(
-        self,
-        out: Generation,
-        request: GenerationRequest,
-        plan: SparsityPlan,
-        prompt_ids: list[int],
-        plain: str,
-    ) -> Iterator[str]:
-        recorder = _recorder(self, plan, request.collect_signals)
-        stops = request.stop
-        if request.messages is not None and not request.ignore_eos:
-            stops += template_stops(self.lm.tokenizer)
-        decoder = TextStream(self.lm.tokenizer, stops)
-        seed = request.seed
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        eos = set() if request.ignore_eos else eos_ids(self.lm)
-        generated: list[int] = []
-        kept_logits: list[torch.Tensor] = []
-        confidence = TokenConfidence(request.top_logprobs)
-        adjust = LogitAdjust(
-            self.vocab_size,
-            request.presence_penalty,
-            request.frequency_penalty,
-            request.logit_bias,
+    def start(
+        self, request: GenerationRequest, plan: SparsityPlan, cancelled: threading.Event
+    ) -> Sequence:
+        """A sequence for `request` under `plan`, not yet prefilled (`prefill`)."""
+        ids, plain = self.encode(request)
+        self.check_length(len(ids), request.max_new_tokens)
+        return Sequence(self, request, plan, ids, plain, cancelled)
+
+    def passes(self, seq: Sequence) -> ExitStack:
+        """What a reference-path forward pass of `seq` runs inside: the mask, the plan's hooks
+        and the readout's (the fast path applies its plan and readout itself)."""
+        stack = ExitStack()
+        stack.enter_context(masked(self.lm.layers, self.mask))
+        if seq.fast is None:
+            stack.enter_context(sparsified(self.lm.layers, seq.plan, seq.recorder))
+            if seq.readout is not None:
+                stack.enter_context(read_out(self.lm.model, self.lm.layers, seq.readout))
+        return stack
+
+    def prefill(self, seq: Sequence) -> FastKV | ReferenceKV:
+        """Run `seq`'s prompt (inside `passes`); its first logits are `seq.prefilled.logits`."""
+        path, seq.prefilled = self._prefill(
+            seq.fast, seq.request, seq.plan, seq.prompt_ids, seq.recorder, seq.readout
         )
-        finish = "length"
-        stop_token: int | None = None
-        started = time.perf_counter()
-        fast = self._fast_for(plan, len(prompt_ids) + request.max_new_tokens)
-        readout = self._readout(len(prompt_ids)) if request.readout else None
-        with (
-            torch.inference_mode(),
-            masked(self.lm.layers, self.mask),
-            sparsified(self.lm.layers, plan, recorder) if fast is None else nullcontext(),
-            read_out(self.lm.model, self.lm.layers, readout)
-            if fast is None and readout is not None
-            else nullcontext(),
-        ):
-            path, done = self._prefill(fast, request, plan, prompt_ids, recorder, readout)
-            cached, mismatch = done.cached, done.mismatch
-            token = -1
-            for step in range(request.max_new_tokens):
-                if step == 0:
-                    logits = done.logits
-                    first_token_at = time.perf_counter()
-                elif isinstance(path, ReferenceKV):
-                    logits = path.forward([token])
-                else:
-                    logits = path.step(token)
-                if request.measure_drift and not plan.is_dense:
-                    kept_logits.append(logits.float())
-                token = sample_next(
-                    adjust(logits), request.temperature, request.top_p, generator, request.top_k
-                )
-                adjust.chose(token)
-                if recorder is not None or request.top_logprobs:
-                    confidence.observe(logits, token)
-                if token in eos:
-                    finish, stop_token = "stop", token
-                    break
-                generated.append(token)
-                delta, stopped = decoder.push(generated)
+        return path
+
+    def finish(self, seq: Sequence, drift: float | None = None) -> GenerationStats:
+        """`seq`'s statistics; its drift is measured here unless given (a batched pass)."""
+        ended = time.perf_counter()
+        if drift is None and seq.request.measure_drift:
+            found = seq.drift_input()
+            drift = self.semantic_drift(*found) if found is not None else 0.0
+        echo: tuple[list[float | None], list[TopLogprobs]] = ([], [])
+        if seq.request.echo_logprobs:
+            echo = self.prompt_logprobs(seq.prompt_ids, seq.plan, seq.request.top_logprobs)
+        return seq.stats(drift, echo, ended)
+
+    def semantic_drift_many(
+        self, items: list[tuple[list[int], list[int], torch.Tensor]]
+    ) -> list[float]:
+        """`semantic_drift` of several answers (prompt, answer, sparse logits) in one dense
+        pass, right-padded: the padding comes after every real position, so it changes none."""
+        if len(items) < 2:
+            return [self.semantic_drift(*item) for item in items]
+        rows = [prompt + answer[:-1] for prompt, answer, _ in items]
+        width = max(map(len, rows))
+        ids = torch.tensor([row + [0] * (width - len(row)) for row in rows])
+        mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])
+        with torch.inference_mode(), masked(self.lm.layers, self.mask):
+            logits = self.lm.model(input_ids=ids, attention_mask=mask).logits
+        drifts = []
+        for row, (prompt, answer, sparse) in zip(logits, items, strict=True):
+            dense = row[len(prompt) - 1 : len(prompt) - 1 + len(answer)]
+            drifts.append(float(signals.token_kl(dense, sparse).mean()))
+        return drifts
+
+    def _stream(self, out: Generation, seq: Sequence) -> Iterator[str]:
+        with torch.inference_mode(), self.passes(seq):
+            path = self.prefill(seq)
+            logits = seq.prefilled.logits
+            while True:
+                delta = seq.accept(logits)
                 if delta:
                     yield delta
-                if stopped or out.cancelled.is_set():
-                    finish = "stop" if stopped else "cancelled"
+                if seq.done:
                     break
-        tail = decoder.flush()
+                if isinstance(path, ReferenceKV):
+                    logits = path.forward([seq.token])
+                else:
+                    logits = path.step(seq.token)
+        tail = seq.stream.flush()
         if tail:
             yield tail
-        ended = time.perf_counter()
-        drift = None
-        if request.measure_drift:
-            drift = 0.0
-            if not plan.is_dense and generated:
-                sparse = torch.stack(kept_logits[: len(generated)])
-                drift = self.semantic_drift(prompt_ids, generated, sparse)
-        decode_s = ended - first_token_at
-        echo: tuple[list[float | None], list[TopLogprobs]] = ([], [])
-        if request.echo_logprobs:
-            echo = self.prompt_logprobs(prompt_ids, plan, request.top_logprobs)
-        out.stats = GenerationStats(
-            text=decoder.text,
-            level=plan.level.value,
-            calibration_version=plan.calibration_version,
-            prompt_tokens=len(prompt_ids),
-            completion_tokens=len(generated),
-            finish_reason=finish,
-            time_to_first_token_s=first_token_at - started,
-            decode_tokens_per_s=(len(generated) - 1) / decode_s if len(generated) > 1 else 0.0,
-            prefill_tokens_per_s=(len(prompt_ids) - cached) / max(first_token_at - started, 1e-9),
-            input_entropy_bits_per_char=signals.entropy_bits_per_char(plain),
-            signals=recorder.summary() if recorder is not None else None,
-            semantic_drift_kl=drift,
-            cached_tokens=cached,
-            cache_mismatch=mismatch,
-            token_ids=generated,
-            token_logprobs=confidence.logprobs,
-            token_entropies=confidence.entropies,
-            readout=readout.result() if readout is not None else None,
-            stop_token=stop_token,
-            top_logprobs=confidence.top_logprobs,
-            prompt_ids=list(prompt_ids) if request.echo_logprobs else [],
-            prompt_logprobs=echo[0],
-            prompt_top_logprobs=echo[1],
-        )
+        out.stats = self.finish(seq)
 
     @property
     def vocab_size(self) -> int:
@@ -371,10 +332,6 @@ class Engine:
         if recorder is not None:
             recorder.end_step()
         return logits  # type: ignore[no-any-return]
-
-
-def _recorder(engine: Engine, plan: SparsityPlan, enabled: bool) -> SignalRecorder | None:
-    return SignalRecorder(engine.lm.num_layers, plan.silence_thresholds) if enabled else None
 
 
 def _plain(messages: list[Message]) -> str:

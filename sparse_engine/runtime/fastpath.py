@@ -86,6 +86,7 @@ class FastDecoder:
         shape = (len(self.layers), self.kv_heads, max_len, self.head_dim)
         self.keys = torch.zeros(shape, dtype=self.embed.dtype, device=self.device)
         self.values = torch.zeros(shape, dtype=self.embed.dtype, device=self.device)
+        self._own = (self.keys, self.values)
         widths = {layer.down.rows.shape[0] for layer in self.layers}
         if len(widths) > 1:
             raise UnsupportedModelError("the fast path needs one MLP width in every layer")
@@ -126,6 +127,16 @@ class FastDecoder:
     def reset(self) -> None:
         self.length = 0
         self.tokens = []
+
+    def bind(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        """Run on another KV cache (a scheduler's slot, `runtime.batch`), whose first `length`
+        positions hold the sequence so far; each layer's block is contiguous. `unbind` goes
+        back to its own."""
+        self.keys, self.values, self.length = keys, values, length
+
+    def unbind(self) -> None:
+        self.keys, self.values = self._own
+        self.reset()
 
     def supports(self, plan: SparsityPlan, tokens: int) -> bool:
         """Whether this path can run `plan` over a sequence of `tokens`."""

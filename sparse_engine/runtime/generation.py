@@ -66,6 +66,7 @@ class GenerationStats:
     prompt_ids: list[int] = field(default_factory=list)
     prompt_logprobs: list[float | None] = field(default_factory=list)
     prompt_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    batch_size: float = 1.0  # mean sequences per decode step it ran in (scheduler batching)
 
     @property
     def cache_hit_rate(self) -> float:

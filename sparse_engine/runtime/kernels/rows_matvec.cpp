@@ -272,7 +272,8 @@ class Layers {
   }
 
   // x (hidden,): the token's embedding, replaced by the last layer's output. keys, values
-  // (layers, kv_heads, max_len, head_dim): the cache, written at `pos`. cos, sin (tables,
+  // (layers, kv_heads, max_len, head_dim): the cache, written at `pos`; each layer's block is
+  // contiguous, the layers may lie apart (one slot of the scheduler's (layers, slots, ...)). cos, sin (tables,
   // head_dim): the rotary tables at `pos`. thresholds (layers, 7) float64, negative = dense. channels
   // (layers, intermediate): |down input| out. counts (layers, 5) float64 out, per layer: over
   // the sparsified roles' inputs, as the hooks count them, zeroed and total activations, the
@@ -288,6 +289,10 @@ class Layers {
     const int64_t hidden = x.numel(), inter = channels.size(1), max_len = keys.size(2);
     const int64_t q_width = heads_ * head_dim_, kv_width = kv_heads_ * head_dim_;
     TORCH_CHECK(pos < max_len, "the cache is full");
+    TORCH_CHECK(keys.stride(1) == max_len * head_dim_ && keys.stride(2) == head_dim_ &&
+                    keys.stride(3) == 1 && values.strides() == keys.strides(),
+                "each layer's keys and values are contiguous (kv_heads, max_len, head_dim)");
+    const int64_t layer_stride = keys.stride(0);
     TORCH_CHECK(cos.dim() == 2 && cos.size(1) == head_dim_ && cos.is_contiguous() &&
                     sin.sizes() == cos.sizes() && sin.is_contiguous(),
                 "cos and sin are contiguous (tables, head_dim)");
@@ -335,8 +340,8 @@ class Layers {
       }
       const int64_t table = ropes_[l] * head_dim_;
       attend(l, qkv.data(), cos.data_ptr<float>() + table, sin.data_ptr<float>() + table,
-             keys.data_ptr<float>() + l * kv_heads_ * max_len * head_dim_,
-             values.data_ptr<float>() + l * kv_heads_ * max_len * head_dim_, max_len, pos, att.data(),
+             keys.data_ptr<float>() + l * layer_stride, values.data_ptr<float>() + l * layer_stride,
+             max_len, pos, att.data(),
              read_attention ? attn_out.data_ptr<double>() + l * heads_ * 2 : nullptr, prompt_len);
       record(kO, m[1].product(att.data(), t[kO], 0, hidden, y.data()));
       residual(norm[kPostAttnNorm], y.data(), xs, hidden);

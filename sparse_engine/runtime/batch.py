@@ -1,0 +1,197 @@
+"""Many sequences' decode steps as one: the fast path's weights read once for a batch of rows,
+each row at its own position, under its own thresholds (rows of different levels share a
+batch), into its own KV slot, with its own signals and readout.
+
+KV slots: one (layers, slots, kv heads, max_len, head dim) cache per engine, taken from the
+allocator unwritten and zeroed only as far as a step reads, so memory grows with the tokens
+sequences reach, not with `slots x max_len`. The rows of a batched step are slots 0 .. B-1
+(the scheduler keeps its sequences packed), so each layer's keys are one view, attended as
+one padded product with a per-row visibility mask (the padding must hold finite numbers:
+a masked probability of 0 times a NaN left in unwritten memory is still NaN).
+
+Which product: a row alone reads only its kept weight rows (the compiled kernel); B rows
+together read every weight row once and zero each row's dropped inputs (`x * kept @ W`), the
+hooks' computation. Per-row thresholds cost nothing there: the mask is elementwise anyway.
+`sparseguard bench batch-step` measures both for each batch size."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sparse_engine.runtime.fast_weights import Matrix
+from sparse_engine.runtime.fastpath import ROLES, FastDecoder, _rope
+from sparse_engine.sparsity import signals
+from sparse_engine.sparsity.readout import Readout
+from sparse_engine.sparsity.recorder import SignalRecorder
+
+
+@dataclass(slots=True)
+class Row:
+    """One sequence's next decode step: feed `token` at position `pos` of slot `slot`."""
+
+    slot: int
+    pos: int
+    token: int
+    limits: torch.Tensor  # (layers, roles) float64, -1 where the role is dense
+    recorder: SignalRecorder | None
+    readout: Readout | None
+
+
+class KVSlots:
+    """The scheduler's KV cache: `slots` sequences of up to the fast path's `max_len`."""
+
+    def __init__(self, fast: FastDecoder, slots: int) -> None:
+        shape = (len(fast.layers), slots, fast.kv_heads, fast.max_len, fast.head_dim)
+        self.keys = torch.empty(shape, dtype=fast.embed.dtype, device=fast.device)
+        self.values = torch.empty(shape, dtype=fast.embed.dtype, device=fast.device)
+        self.fast = fast
+        self.clean = [0] * slots  # per slot, the positions holding finite numbers
+
+    def readable(self, lengths: list[int], end: int) -> None:
+        """Make positions 0 .. end-1 of slots 0 .. len(lengths)-1 safe to read: each slot's
+        sequence holds its first `lengths[slot]`; zero what no sequence has written after."""
+        for slot, length in enumerate(lengths):
+            start = max(self.clean[slot], length)
+            if start < end:
+                self.keys[:, slot, :, start:end] = 0
+                self.values[:, slot, :, start:end] = 0
+            self.clean[slot] = max(self.clean[slot], end)
+
+    @property
+    def slots(self) -> int:
+        return int(self.keys.shape[1])
+
+    def bind(self, slot: int, length: int) -> FastDecoder:
+        """The fast decoder, running on `slot` whose first `length` positions are filled."""
+        self.fast.bind(self.keys[:, slot], self.values[:, slot], length)
+        return self.fast
+
+    def move(self, source: int, target: int, length: int) -> None:
+        """Copy a sequence's first `length` positions to another slot (packing the batch)."""
+        self.keys[:, target, :, :length] = self.keys[:, source, :, :length]
+        self.values[:, target, :, :length] = self.values[:, source, :, :length]
+
+
+class BatchStep:
+    """The batched decode step over a fast decoder's float32 weights and a slot cache."""
+
+    def __init__(self, slots: KVSlots) -> None:
+        self.fast, self.kv = slots.fast, slots
+        if self.fast.dtype != "float32":
+            raise ValueError("the batched step multiplies float32 weights")
+
+    @torch.inference_mode()
+    def __call__(self, rows: list[Row]) -> torch.Tensor:
+        """Logits (B, vocab) of rows whose slots are 0 .. B-1, in order."""
+        fast, n = self.fast, len(rows)
+        if [r.slot for r in rows] != list(range(n)):
+            raise ValueError("a batched step runs the packed slots 0 .. B-1 in order")
+        pos = torch.tensor([r.pos for r in rows])
+        x = fast._embed(torch.tensor([r.token for r in rows], device=fast.device))
+        limits = torch.stack([r.limits for r in rows]).to(torch.float32)  # (B, layers, roles)
+        layers = len(fast.layers)
+        counts = torch.zeros(n, layers, 4, dtype=torch.float64)
+        channels = torch.zeros(n, layers, fast.channels.shape[1])
+        reading = [r.readout is not None and r.readout.wants(r.pos, 1) for r in rows]
+        hidden = torch.zeros(n, layers, x.shape[1]) if any(reading) else None
+        attention = torch.zeros(n, layers, fast.heads, 2, dtype=torch.float64)
+        prompt = torch.tensor([r.readout.prompt_len if r.readout else 0 for r in rows])
+        end = int(pos.max()) + 1
+        self.kv.readable([r.pos for r in rows], end)
+        for i, layer in enumerate(fast.layers):
+            lim = limits[:, i]
+            h = fast._norm(x, layer.attn_norm)
+            qkv = _project(layer.qkv, h, lim, counts[:, i])
+            att = self._attend(i, qkv, pos, end, prompt, attention[:, i])
+            o = _project(layer.o, att, lim, counts[:, i])
+            x = x + fast._norm(o, layer.post_attn_norm)
+            h = fast._norm(x, layer.mlp_norm)
+            gate, up = _project(layer.gate_up, h, lim, counts[:, i]).chunk(2, dim=-1)
+            a = fast._activation(gate) * up
+            channels[:, i] = a.abs()
+            down = _project(layer.down, a, lim, counts[:, i])
+            x = x + fast._norm(down, layer.post_mlp_norm)
+            if hidden is not None:
+                hidden[:, i] = x
+        for b, row in enumerate(rows):
+            if row.recorder is not None:
+                row.recorder.begin_step()
+                row.recorder.observe_layers(counts[b], channels[b], 1)
+                row.recorder.end_step()
+            if reading[b] and row.readout is not None and hidden is not None:
+                row.readout.observe_step(hidden[b], attention[b], row.pos)
+        h = fast._norm(x, fast.norm)
+        return h @ fast.head.rows
+
+    def _attend(
+        self,
+        i: int,
+        qkv: torch.Tensor,
+        pos: torch.Tensor,
+        end: int,
+        prompt: torch.Tensor,
+        stats: torch.Tensor,
+    ) -> torch.Tensor:
+        """Each row's query over its own slot's positions 0 .. pos (or its window), padded to
+        the longest row; writes each head's attention share on the prompt and entropy."""
+        fast, layer = self.fast, self.fast.layers[i]
+        n, hd, kv = qkv.shape[0], fast.head_dim, fast.kv_heads
+        widths = [fast.heads * hd, kv * hd, kv * hd]
+        q, k, v = torch.split(qkv, widths, dim=-1)
+        cos = fast.cos[pos, layer.rope][:, None]
+        sin = fast.sin[pos, layer.rope][:, None]
+        q = _rope(fast._norm(q.view(n, fast.heads, hd), layer.q_norm), cos, sin)
+        k = _rope(fast._norm(k.view(n, kv, hd), layer.k_norm), cos, sin)
+        keys, values = self.kv.keys[i, :n], self.kv.values[i, :n]
+        batch = torch.arange(n)
+        keys[batch, :, pos] = k
+        values[batch, :, pos] = v.view(n, kv, hd)
+        key = torch.arange(end)[None]
+        seen = key <= pos[:, None]
+        if layer.window:
+            seen &= key > pos[:, None] - layer.window
+        q = q.view(n, kv, fast.heads // kv, hd)
+        scores = (q @ keys[:, :, :end].transpose(-1, -2)) * fast.family.attn_scale
+        probs = scores.masked_fill(~seen[:, None, None], float("-inf")).softmax(-1)
+        out = probs @ values[:, :, :end]  # (B, kv, group, hd)
+        on_prompt = (probs * (key < prompt[:, None])[:, None, None]).sum(-1)
+        entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
+        stats[..., 0] = on_prompt.reshape(n, fast.heads)
+        stats[..., 1] = entropy.reshape(n, fast.heads)
+        return out.reshape(n, fast.heads * hd)
+
+
+def _project(
+    m: Matrix, x: torch.Tensor, limits: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """x (B, in) through the fused matrix, each part at each row's threshold for its role
+    (limits (B, roles), negative: dense); counts (B, 4) gathers each row's signals as the hooks
+    count them (zeroed, total, kept-magnitude share, tokens; once per part)."""
+    columns = [ROLES.index(role) for role, _, _ in m.parts]
+    per_part = limits[:, columns]  # (B, parts)
+    if bool((per_part == per_part[:, :1]).all()):
+        groups = [(per_part[:, 0], 0, m.parts[-1][2], len(m.parts))]
+    else:
+        groups = [(per_part[:, j], b, e, 1) for j, (_, b, e) in enumerate(m.parts)]
+    outputs = []
+    for limit, begin, end, parts in groups:
+        w = m.rows[:, begin:end]
+        bias = m.bias[begin:end] if m.bias is not None else None
+        sparse = limit >= 0
+        if not bool(sparse.any()):
+            y = x @ w
+        else:
+            magnitude = x.abs()
+            kept = magnitude > limit[:, None]
+            y = (x * kept) @ w
+            width = x.shape[-1]
+            share = signals.kept_magnitude_share(magnitude, kept).double()
+            on = sparse.double() * parts
+            counts[:, 0] += on * (width - kept.sum(-1).double())
+            counts[:, 1] += on * width
+            counts[:, 2] += on * share
+            counts[:, 3] += on
+        outputs.append(y if bias is None else y + bias)
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)

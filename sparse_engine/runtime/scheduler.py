@@ -1,0 +1,310 @@
+"""Continuous batching: one thread owns the engine and runs every admitted sequence a step at
+a time. New requests join at step boundaries (their prompt is prefilled, alone, between two
+steps), finished ones leave, and the fast-path sequences of every level step together
+(`runtime.batch`); reference-path sequences (Top-K plans, a plan-A mask, prompts longer than
+the fast path holds) step one after another in the same loop. Each sequence keeps its own
+sampling, stops, recorder and readout (`runtime.sequence`), so its signals are what it would
+have got alone.
+
+Admission: at most `max_batch` sequences run, holding at most `kv_tokens` tokens between them
+(prompt plus max_new_tokens each; one longer request runs when it would run alone); the rest
+wait, and a submit past `max_waiting` waiting raises QueueFullError. Other engine work
+(`call`) runs between steps, on the same thread: the engine is not thread-safe, and PyTorch's
+OpenMP pool belongs to the thread that runs it."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+import torch
+
+from sparse_engine.runtime.batch import BatchStep, KVSlots, Row
+from sparse_engine.runtime.engine import Engine
+from sparse_engine.runtime.generation import GenerationRequest, GenerationStats
+from sparse_engine.runtime.prefill import FastKV, ReferenceKV
+from sparse_engine.runtime.sequence import Sequence
+from sparse_engine.sparsity.plan import Level, SparsityPlan
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class QueueFullError(Exception):
+    """Too many requests are waiting; the caller should retry later."""
+
+
+class Sink(Protocol):
+    """Where a request's output goes, called on the scheduler's thread."""
+
+    def started(self) -> None: ...  # admitted: its prefill begins
+    def delta(self, text: str) -> None: ...
+    def done(self, stats: GenerationStats) -> None: ...
+    def error(self, exc: Exception) -> None: ...
+
+
+@dataclass(slots=True)
+class Ticket:
+    request: GenerationRequest
+    level: Level | SparsityPlan
+    sink: Sink
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(slots=True)
+class _Live:
+    ticket: Ticket
+    seq: Sequence
+    path: FastKV | ReferenceKV
+    limits: torch.Tensor | None  # the fast path's threshold table; None on the reference path
+
+    @property
+    def tokens(self) -> int:
+        return len(self.seq.prompt_ids) + self.seq.request.max_new_tokens
+
+
+@dataclass(slots=True)
+class _Call:
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future[Any]
+
+
+class Scheduler:
+    def __init__(self, max_batch: int = 8, kv_tokens: int = 8192, max_waiting: int = 16) -> None:
+        self.max_batch, self.kv_tokens, self.max_waiting = max_batch, kv_tokens, max_waiting
+        self.engine: Engine | None = None  # set (`attach`) before the first submit
+        self._inbox: queue.SimpleQueue[Ticket | _Call | None] = queue.SimpleQueue()
+        self._waiting: deque[Ticket] = deque()
+        self._pending = 0  # submitted, not yet admitted (read from other threads)
+        self._lock = threading.Lock()
+        self._fast: list[_Live] = []  # on the fast path; index = KV slot
+        self._reference: list[_Live] = []
+        self._slots: KVSlots | None = None
+        self._batched: BatchStep | None = None
+        self.steps = 0  # decode steps run, and the rows they ran (mean batch = rows / steps)
+        self.rows = 0
+        self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
+        self._thread.start()
+
+    @property
+    def depth(self) -> int:
+        """Requests waiting to start."""
+        return self._pending
+
+    @property
+    def running(self) -> int:
+        return len(self._fast) + len(self._reference)
+
+    def attach(self, engine: Engine) -> None:
+        """Serve `engine` (call on the scheduler's thread, through `call`, before submitting)."""
+        self.engine = engine
+        if engine.fast is not None:
+            self._slots = KVSlots(engine.fast, self.max_batch)
+            if engine.fast.dtype == "float32":
+                self._batched = BatchStep(self._slots)
+
+    def submit(self, request: GenerationRequest, level: Level | SparsityPlan, sink: Sink) -> Ticket:
+        with self._lock:
+            if self._pending >= self.max_waiting:
+                raise QueueFullError
+            self._pending += 1
+        ticket = Ticket(request, level, sink)
+        self._inbox.put(ticket)
+        return ticket
+
+    def call(self, fn: Callable[[], T], admit: bool = False) -> concurrent.futures.Future[T]:
+        """Run `fn` on the scheduler's thread between two steps; `admit` counts it as a
+        waiting request (QueueFullError past the limit)."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if admit:
+            with self._lock:
+                if self._pending >= self.max_waiting:
+                    raise QueueFullError
+                self._pending += 1
+
+        def run() -> T:
+            if admit:
+                self._admitted()
+            return fn()
+
+        self._inbox.put(_Call(run, future))
+        return future
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._inbox.put(None)
+        self._thread.join(timeout)
+
+    def _admitted(self) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    def _loop(self) -> None:
+        while True:
+            block = not self.running and not self._waiting
+            try:
+                item = self._inbox.get(block=block)
+                while True:
+                    if item is None:
+                        return
+                    self._take(item)
+                    item = self._inbox.get_nowait()
+            except queue.Empty:
+                pass
+            self._admit()
+            if self.running:
+                self._step()
+
+    def _take(self, item: Ticket | _Call) -> None:
+        if isinstance(item, Ticket):
+            self._waiting.append(item)
+            return
+        try:
+            item.future.set_result(item.fn())
+        except Exception as exc:
+            item.future.set_exception(exc)
+
+    def _admit(self) -> None:
+        held = sum(live.tokens for live in (*self._fast, *self._reference))
+        while self._waiting and self.running < self.max_batch:
+            ticket = self._waiting[0]
+            need = ticket.request.max_new_tokens  # the prompt is counted once it is encoded
+            if self.running and held + need > self.kv_tokens:
+                return
+            self._waiting.popleft()
+            self._admitted()
+            if ticket.cancelled.is_set():
+                continue
+            live = self._start(ticket)
+            if live is not None:
+                held += live.tokens
+
+    def _start(self, ticket: Ticket) -> _Live | None:
+        engine = self.engine
+        assert engine is not None, "attach an engine before submitting"
+        ticket.sink.started()
+        try:
+            seq = engine.start(ticket.request, engine.plan(ticket.level), ticket.cancelled)
+            if seq.fast is not None and self._slots is not None:
+                self._slots.bind(len(self._fast), 0)
+            with torch.inference_mode(), engine.passes(seq):
+                path = engine.prefill(seq)
+            limits = seq.fast._thresholds(seq.plan) if seq.fast is not None else None
+        except Exception as exc:
+            ticket.sink.error(exc)
+            return None
+        finally:
+            if engine.fast is not None:
+                engine.fast.unbind()
+        live = _Live(ticket, seq, path, limits)
+        (self._fast if limits is not None else self._reference).append(live)
+        self._accept(live, seq.prefilled.logits, 1)
+        if seq.done:  # at its first token
+            self._finish([live])
+        return live
+
+    def _step(self) -> None:
+        engine = self.engine
+        assert engine is not None
+        fast, n = list(self._fast), len(self._fast)
+        try:
+            if n:
+                logits = self._fast_step(fast)
+                for live, row in zip(fast, logits, strict=True):
+                    self._accept(live, row, n)
+        except Exception as exc:
+            log.error("a batched decode step failed", exc_info=exc)
+            for live in fast:
+                self._fail(live, exc)
+        finally:
+            if engine.fast is not None:
+                engine.fast.unbind()
+        for live in list(self._reference):
+            try:
+                with torch.inference_mode(), engine.passes(live.seq):
+                    assert isinstance(live.path, ReferenceKV)
+                    last = live.path.forward([live.seq.token])
+                self._accept(live, last, 1)
+            except Exception as exc:
+                log.error("a reference decode step failed", exc_info=exc)
+                self._fail(live, exc)
+        self._finish([live for live in (*self._fast, *self._reference) if live.seq.done])
+
+    def _fast_step(self, fast: list[_Live]) -> list[torch.Tensor]:
+        """One decode step of every fast-path sequence: batched, or alone on the compiled
+        kernel when there is one sequence (or no batched step for the weight type)."""
+        assert self._slots is not None
+        self.steps += 1
+        self.rows += len(fast)
+        if len(fast) == 1 or self._batched is None:
+            out = []
+            for slot, live in enumerate(fast):
+                seq = live.seq
+                decoder = self._slots.bind(slot, seq.length)
+                out.append(decoder.step(seq.token, seq.plan, seq.recorder, seq.readout))
+            return out
+        rows = [
+            Row(slot, live.seq.length, live.seq.token, live.limits, live.seq.recorder,
+                live.seq.readout)
+            for slot, live in enumerate(fast)
+            if live.limits is not None
+        ]  # fmt: skip
+        return list(self._batched(rows))
+
+    def _accept(self, live: _Live, logits: torch.Tensor, batch: int) -> None:
+        seq = live.seq
+        if seq.steps:
+            seq.batch_sizes += batch
+        delta = seq.accept(logits)
+        if seq.done:
+            delta += seq.stream.flush()
+        if delta:
+            live.ticket.sink.delta(delta)
+
+    def _finish(self, done: list[_Live]) -> None:
+        """Statistics for the finished sequences, their drift passes batched, and their slots
+        given back (the last fast sequence moves into a freed slot, keeping them packed)."""
+        if not done:
+            return
+        engine = self.engine
+        assert engine is not None
+        for live in done:
+            self._leave(live)
+        inputs = [live.seq.drift_input() for live in done]
+        wanted = [(i, x) for i, x in enumerate(inputs) if x is not None]
+        drifts: list[float | None] = [None] * len(done)  # None: `finish` measures it alone
+        try:
+            for (i, _), value in zip(
+                wanted, engine.semantic_drift_many([x for _, x in wanted]), strict=True
+            ):
+                drifts[i] = value
+        except Exception as exc:
+            log.error("the drift pass failed", exc_info=exc)
+        for live, drift in zip(done, drifts, strict=True):
+            try:
+                live.ticket.sink.done(engine.finish(live.seq, drift))
+            except Exception as exc:
+                live.ticket.sink.error(exc)
+
+    def _leave(self, live: _Live) -> None:
+        if live in self._reference:
+            self._reference.remove(live)
+            return
+        if live not in self._fast:
+            return
+        slot, last = self._fast.index(live), len(self._fast) - 1
+        if slot != last and self._slots is not None:
+            moved = self._fast[last]
+            self._slots.move(last, slot, moved.seq.length)
+            self._fast[slot] = moved
+        self._fast.pop()
+
+    def _fail(self, live: _Live, exc: Exception) -> None:
+        self._leave(live)
+        live.seq.done = True
+        live.ticket.sink.error(exc)

@@ -1,0 +1,257 @@
+"""Continuous batching (`sparse_engine.runtime.scheduler`) on tiny Llama, Qwen2 and Gemma 3
+models: the same prompts at temperature 0, batched with others at other levels vs alone,
+give the same tokens and the same per-request signals and readout within float tolerance, on
+the fast path (compiled kernels and PyTorch fallback) and the reference path; admission,
+cancellation, the token budget and the batched drift pass."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from sparse_engine.runtime import kernels
+from sparse_engine.runtime.engine import Engine
+from sparse_engine.runtime.generation import GenerationRequest, GenerationStats
+from sparse_engine.runtime.scheduler import QueueFullError, Scheduler
+from sparse_engine.sparsity.plan import Level, SparsityPlan
+from tests.tiny import tiny_engine
+
+PROMPTS = [
+    "Once upon a time there was a little robot who",
+    "The weather today",
+    "Write a short note about the sea and the wind, and",
+    "Q: what is two plus two? A:",
+    "Hello",
+]
+LEVELS = [Level.DENSE, Level.CONSERVATIVE, Level.BALANCED, Level.AGGRESSIVE, Level.BALANCED]
+
+
+class Collect:
+    """A sink that keeps what it is given."""
+
+    def __init__(self) -> None:
+        self.deltas: list[str] = []
+        self.stats: GenerationStats | None = None
+        self.failure: Exception | None = None
+        self.over = threading.Event()
+        self.began = self.ended = 0.0
+
+    def started(self) -> None:
+        self.began = time.perf_counter()
+
+    def delta(self, text: str) -> None:
+        self.deltas.append(text)
+
+    def done(self, stats: GenerationStats) -> None:
+        self.stats = stats
+        self.ended = time.perf_counter()
+        self.over.set()
+
+    def error(self, exc: Exception) -> None:
+        self.failure = exc
+        self.over.set()
+
+    def result(self) -> GenerationStats:
+        assert self.over.wait(60), "the scheduler never finished the request"
+        assert self.failure is None, self.failure
+        assert self.stats is not None
+        return self.stats
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "gemma3"])
+def family(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def _engine(family: str, path: str) -> Engine:
+    engine = tiny_engine(cache=False, family=family)
+    if path != "reference":
+        native = kernels.load() if path == "native" else None
+        engine.enable_fast_path("float32", native, max_len=256)
+        assert engine.fast is not None
+    return engine
+
+
+def _request(i: int, **extra: Any) -> GenerationRequest:
+    fields: dict[str, Any] = {
+        "prompt": PROMPTS[i],
+        "max_new_tokens": 6 + 3 * i,  # they leave the batch at different steps
+        "ignore_eos": True,
+        "readout": True,
+        "use_prefix_cache": False,
+    }
+    return GenerationRequest(**{**fields, **extra})
+
+
+@pytest.fixture
+def scheduler() -> Iterator[Scheduler]:
+    made = Scheduler(max_batch=8)
+    yield made
+    made.close()
+
+
+def _together(
+    scheduler: Scheduler, engine: Engine, jobs: list[tuple[GenerationRequest, Any]]
+) -> list[Collect]:
+    """Submit every job while the scheduler is held, so they are admitted at one boundary."""
+    scheduler.call(lambda: scheduler.attach(engine)).result()
+    gate = threading.Event()
+    scheduler.call(gate.wait)
+    sinks = [Collect() for _ in jobs]
+    for (request, level), sink in zip(jobs, sinks, strict=True):
+        scheduler.submit(request, level, sink)
+    gate.set()
+    for sink in sinks:
+        sink.result()
+    return sinks
+
+
+def _same(alone: GenerationStats, batched: GenerationStats) -> None:
+    assert batched.token_ids == alone.token_ids
+    assert batched.text == alone.text
+    assert batched.finish_reason == alone.finish_reason
+    close = {"rtol": 1e-4, "atol": 1e-5}
+    torch.testing.assert_close(batched.token_logprobs, alone.token_logprobs, **close)
+    a, b = alone.signals, batched.signals
+    assert a is not None and b is not None
+    for name in ("sparsity_ratio", "gate_confidence", "activation_stability_pct", "gate_entropy"):
+        torch.testing.assert_close(getattr(b, name), getattr(a, name), **close, msg=name)
+    for name in ("sparsity_per_layer", "silence_rate_per_layer", "step_sparsity"):
+        torch.testing.assert_close(getattr(b, name), getattr(a, name), **close, msg=name)
+    assert a.answer_channels is not None and b.answer_channels is not None
+    for x, y in zip(b.answer_channels, a.answer_channels, strict=True):
+        torch.testing.assert_close(x, y, **close)
+    assert alone.readout is not None and batched.readout is not None
+    for name in ("hidden", "lookback", "entropy"):
+        got, want = getattr(batched.readout, name), getattr(alone.readout, name)
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("path", ["native", "fallback", "reference"])
+def test_batched_requests_match_the_same_requests_alone(
+    family: str, path: str, scheduler: Scheduler
+) -> None:
+    engine = _engine(family, path)
+    every_role = _every_role_plan(engine)
+    jobs: list[tuple[GenerationRequest, Any]] = [
+        (_request(i), level) for i, level in enumerate(LEVELS)
+    ]
+    jobs.append((_request(2, max_new_tokens=9), every_role))
+    alone = [engine.generate(request, level).result() for request, level in jobs]
+    sinks = _together(scheduler, engine, jobs)
+    for want, sink in zip(alone, sinks, strict=True):
+        _same(want, sink.result())
+    # Every one had begun before any had ended: they ran together.
+    assert max(sink.began for sink in sinks) < min(sink.ended for sink in sinks)
+    if path == "reference":  # reference sequences step one after another, unbatched
+        assert scheduler.steps == 0
+        assert all(sink.result().batch_size == 1.0 for sink in sinks)
+    else:
+        assert scheduler.rows / scheduler.steps > 2  # several rows per batched step
+        assert all(sink.result().batch_size > 1 for sink in sinks)
+
+
+def _every_role_plan(engine: Engine) -> SparsityPlan:
+    """A pinned plan with thresholds on every projection, k and gate apart from the rest (the
+    fused matrices then run part by part)."""
+    down = engine.plan(Level.BALANCED).thresholds["down"]
+    scale = {"q": 0.02, "k": 0.03, "v": 0.02, "o": 0.01, "gate": 0.01, "up": 0.02}
+    thresholds = {role: tuple(s for _ in down) for role, s in scale.items()}
+    return SparsityPlan(Level.BALANCED, {**thresholds, "down": down}, calibration_version="all")
+
+
+def test_a_full_waiting_queue_is_refused(scheduler: Scheduler) -> None:
+    engine = _engine("llama", "fallback")
+    scheduler.max_waiting = 2
+    scheduler.call(lambda: scheduler.attach(engine)).result()
+    gate = threading.Event()
+    scheduler.call(gate.wait)
+    sinks = [Collect(), Collect()]
+    for sink in sinks:
+        scheduler.submit(_request(0), Level.BALANCED, sink)
+    assert scheduler.depth == 2
+    with pytest.raises(QueueFullError):
+        scheduler.submit(_request(0), Level.BALANCED, Collect())
+    with pytest.raises(QueueFullError):
+        scheduler.call(lambda: None, admit=True)
+    gate.set()
+    assert all(sink.result().completion_tokens == 6 for sink in sinks)
+    assert scheduler.depth == 0
+
+
+def test_a_cancelled_request_leaves_and_the_others_go_on(scheduler: Scheduler) -> None:
+    engine = _engine("llama", "native")
+    scheduler.call(lambda: scheduler.attach(engine)).result()
+    gate = threading.Event()
+    scheduler.call(gate.wait)
+    long, other = Collect(), Collect()
+    ticket = scheduler.submit(_request(0, max_new_tokens=200), Level.BALANCED, long)
+    scheduler.submit(_request(1, max_new_tokens=40), Level.BALANCED, other)
+    gate.set()
+    while len(long.deltas) < 3:
+        assert not long.over.wait(0.01)
+    ticket.cancelled.set()
+    stats = long.result()
+    assert stats.finish_reason == "cancelled"
+    assert stats.completion_tokens < 200
+    assert other.result().completion_tokens == 40
+    alone = engine.generate(_request(1, max_new_tokens=40), Level.BALANCED).result()
+    assert other.result().token_ids == alone.token_ids
+
+
+def test_the_token_budget_holds_a_request_back_until_one_leaves(scheduler: Scheduler) -> None:
+    engine = _engine("llama", "native")
+    scheduler.kv_tokens = 80
+    jobs: list[tuple[GenerationRequest, Any]] = [
+        (_request(0, max_new_tokens=30), Level.BALANCED),
+        (_request(1, max_new_tokens=30), Level.BALANCED),
+    ]
+    first, second = (sink.result() for sink in _together(scheduler, engine, jobs))
+    assert first.batch_size == 1.0 and second.batch_size == 1.0  # one after the other
+    scheduler.kv_tokens = 8192
+    jobs = [(_request(0, max_new_tokens=30), Level.BALANCED)] * 2
+    assert all(sink.result().batch_size == 2.0 for sink in _together(scheduler, engine, jobs))
+
+
+def test_drift_passes_batch_and_match_one_by_one(scheduler: Scheduler) -> None:
+    engine = _engine("qwen2", "native")
+    jobs: list[tuple[GenerationRequest, Any]] = [
+        (_request(i, measure_drift=True, max_new_tokens=8), Level.AGGRESSIVE) for i in range(3)
+    ]
+    batched = [sink.result() for sink in _together(scheduler, engine, jobs)]
+    alone = [engine.generate(request, level).result() for request, level in jobs]
+    for got, want in zip(batched, alone, strict=True):
+        assert want.semantic_drift_kl is not None and want.semantic_drift_kl > 0
+        # the tiny model's drift is ~1e-6, about the float noise of its logits
+        assert got.semantic_drift_kl == pytest.approx(want.semantic_drift_kl, abs=1e-7)
+    # The padded pass against one pass per answer, on sparse logits far from the dense ones.
+    generator = torch.Generator().manual_seed(0)
+    items = [
+        (
+            engine.encode_text(PROMPTS[i]),
+            [5 + i, 7, 9, 11][: 2 + i],
+            torch.randn(2 + i, engine.vocab_size, generator=generator),
+        )
+        for i in range(3)
+    ]
+    many = engine.semantic_drift_many(items)
+    one_by_one = [engine.semantic_drift(*item) for item in items]
+    assert min(one_by_one) > 0.1
+    assert many == pytest.approx(one_by_one, rel=1e-4)
+
+
+def test_a_bad_request_fails_alone(scheduler: Scheduler) -> None:
+    engine = _engine("llama", "native")
+    jobs: list[tuple[GenerationRequest, Any]] = [(_request(0), Level.BALANCED)]
+    scheduler.call(lambda: scheduler.attach(engine)).result()
+    bad, good = Collect(), Collect()
+    too_long = GenerationRequest(prompt="x", max_new_tokens=10**6)
+    scheduler.submit(too_long, Level.BALANCED, bad)
+    scheduler.submit(*jobs[0], good)
+    assert bad.over.wait(30) and isinstance(bad.failure, ValueError)
+    assert good.result().completion_tokens == 6
