@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 SG := $(VENV)/bin/sparseguard
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench fmt clean tools compose-check llama-cpp
+.PHONY: run test lint bench fmt clean tools compose-check llama-cpp llama-server
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -66,6 +66,22 @@ llama-cpp: $(STAMP)
 	command -v cmake >/dev/null || (apt-get update -qq && apt-get install -y -qq cmake >/dev/null)
 	$(PY) -m pip uninstall --quiet --yes llama-cpp-python  # a build for another processor
 	CMAKE_ARGS="$(LLAMA_CMAKE)" $(PY) -m pip install --quiet --no-cache-dir llama-cpp-python==0.3.36
+
+# Optional: llama.cpp's own HTTP server, for `bench gateway`'s comparison row, built from the
+# llama.cpp sources vendored in the same llama-cpp-python sdist (about 6 minutes on 2 cores),
+# with the same processor flags; installed as ~/.cache/sparseguard/bin/llama-server.
+LLAMA_SERVER_DIR := $(HOME)/.cache/sparseguard/llama-server
+llama-server: $(STAMP)
+	command -v cmake >/dev/null || (apt-get update -qq && apt-get install -y -qq cmake >/dev/null)
+	mkdir -p $(LLAMA_SERVER_DIR) $(HOME)/.cache/sparseguard/bin
+	test -f $(LLAMA_SERVER_DIR)/llama_cpp_python-0.3.36.tar.gz || $(PY) -m pip download --quiet \
+		--no-deps --no-binary :all: -d $(LLAMA_SERVER_DIR) llama-cpp-python==0.3.36
+	tar -xzf $(LLAMA_SERVER_DIR)/llama_cpp_python-0.3.36.tar.gz -C $(LLAMA_SERVER_DIR)
+	cmake -S $(LLAMA_SERVER_DIR)/llama_cpp_python-0.3.36/vendor/llama.cpp \
+		-B $(LLAMA_SERVER_DIR)/build $(LLAMA_CMAKE) -DLLAMA_BUILD_SERVER=ON -DLLAMA_CURL=OFF \
+		-DBUILD_SHARED_LIBS=OFF -DCMAKE_BUILD_TYPE=Release >/dev/null
+	cmake --build $(LLAMA_SERVER_DIR)/build --target llama-server -j 2 >/dev/null
+	cp $(LLAMA_SERVER_DIR)/build/bin/llama-server $(HOME)/.cache/sparseguard/bin/llama-server
 
 fmt: $(STAMP)
 	$(VENV)/bin/ruff format .

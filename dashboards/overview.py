@@ -203,5 +203,21 @@ def overview(
                 quantiles("sparseguard_request_ttft_seconds"),
                 unit="s",
             ),
+            Row("Engine batching"),
+            Panel(
+                "Queue time",
+                quantiles("sparseguard_gateway_queue_wait_seconds", ""),
+                description="Wait from admission to the start of the request's prefill.",
+                unit="s",
+            ),
+            Panel(
+                "Batch size",
+                (
+                    *quantiles("sparseguard_engine_batch_size", ""),
+                    Target("sum(sparseguard_engine_running_sequences)", "running now"),
+                ),
+                description="Mean sequences per decode step over each request (continuous "
+                "batching), and the sequences decoding at the last scrape.",
+            ),
         ),
     )

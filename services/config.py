@@ -31,6 +31,13 @@ class EngineSettings(BaseModel):
     # float32 gives the reference's tokens; bfloat16 and int8 read 2x and 4x fewer bytes.
     fast_path: Literal["off", "float32", "bfloat16", "int8"] = "float32"
     fast_path_max_len: int = Field(2048, ge=16, description="tokens the fast path's KV cache holds")
+    # Continuous batching (sparse_engine.runtime.scheduler): sequences decoding at once, the
+    # tokens (prompt + max_tokens each) they may hold between them, and from how many
+    # fast-path sequences a step runs as one batched product (fewer: row by row on the
+    # compiled kernel; `sparseguard bench batch-step` measures the crossover).
+    max_batch: int = Field(16, ge=1)
+    kv_tokens: int = Field(16384, ge=16)
+    batch_from: int = Field(5, ge=2)
     # The baseline pass that ends every calibration: healthy prompts per level (and dense),
     # of these kinds (sparse_engine.data.traffic), answered greedily to this many tokens.
     baseline_requests: int = Field(120, ge=10)

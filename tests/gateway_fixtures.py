@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +13,10 @@ from services.config import GatewaySettings, Settings, TelemetrySettings
 from services.gateway.app import create_app
 from services.shared.serving import serve
 from services.telemetry.schema import TelemetryEvent
-from sparse_engine.runtime.engine import Engine, Generation, GenerationRequest
-from sparse_engine.sparsity.plan import Level, SparsityPlan
+from sparse_engine.runtime.engine import Engine, GenerationRequest
+from sparse_engine.runtime.generation import GenerationStats
+from sparse_engine.runtime.sequence import Sequence
+from sparse_engine.sparsity.plan import SparsityPlan
 
 
 class RecordingSink:
@@ -32,31 +34,33 @@ class RecordingSink:
 
 class GatedEngine(Engine):
     """The real engine, held at the start of each generation until `gate` is set, and
-    optionally slowed down per token (the tiny model is too fast to race against)."""
+    optionally slowed down per forward pass (the tiny model is too fast to race against).
+    `finished` holds every generation's statistics, in the order they ended."""
 
     def __init__(self, inner: Engine, token_delay_s: float = 0.0, open_gate: bool = False) -> None:
         super().__init__(inner.lm, inner.plans, inner.prefix_cache)
         self.gate = threading.Event()
         self.token_delay_s = token_delay_s
-        self.generations: list[Generation] = []
+        self.finished: list[GenerationStats] = []
         self.entered = 0
         if open_gate:
             self.gate.set()
 
-    def _slowly(self, delta: str) -> str:
-        time.sleep(self.token_delay_s)
-        return delta
-
-    def generate(
-        self, request: GenerationRequest, level: Level | SparsityPlan = Level.DENSE
-    ) -> Generation:
+    def start(
+        self, request: GenerationRequest, plan: SparsityPlan, cancelled: threading.Event
+    ) -> Sequence:
         self.entered += 1
         self.gate.wait(30)
-        generation = super().generate(request, level)
-        inner = generation._deltas
-        generation._deltas = (self._slowly(d) for d in inner)
-        self.generations.append(generation)
-        return generation
+        return super().start(request, plan, cancelled)
+
+    def passes(self, seq: Sequence) -> ExitStack:
+        time.sleep(self.token_delay_s)
+        return super().passes(seq)
+
+    def finish(self, seq: Sequence, drift: float | None = None) -> GenerationStats:
+        stats = super().finish(seq, drift)
+        self.finished.append(stats)
+        return stats
 
 
 def settings_for(home: Path, **gateway: Any) -> Settings:

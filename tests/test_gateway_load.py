@@ -60,13 +60,13 @@ def test_client_disconnect_cancels_generation(tmp_path: Path) -> None:
         deadline = time.monotonic() + 10
         while not any(e.trace_id == trace for e in sink.events) and time.monotonic() < deadline:
             time.sleep(0.05)
-        while engine.generations[-1].stats is None and time.monotonic() < deadline:
+        while not engine.finished and time.monotonic() < deadline:
             time.sleep(0.05)
     event = sink.by_trace(trace)
     assert event.status == "error" and event.error is not None
     assert "disconnected" in event.error.message
-    stats = engine.generations[-1].stats
-    assert stats is not None and stats.finish_reason == "cancelled"
+    stats = engine.finished[-1]
+    assert stats.finish_reason == "cancelled"
     assert stats.completion_tokens < 400
 
 

@@ -128,7 +128,7 @@ def test_request_in_flight_finishes_on_the_version_it_was_admitted_with(tmp_path
     assert old.status_code == 200 and new.status_code == 200
     assert old.headers["x-ir-calibration"] == "tiny-balanced"
     assert new.headers["x-ir-calibration"] == "tiny-balanced-v2"
-    ran = [g.stats.calibration_version for g in gated.generations if g.stats is not None]
+    ran = [stats.calibration_version for stats in gated.finished]
     assert ran == ["tiny-balanced", "tiny-balanced-v2"]
     event = sink.by_trace(old.headers["x-ir-trace-id"])
     assert event.calibration_version == "tiny-balanced"

@@ -17,7 +17,9 @@ import torch
 from sparse_engine.runtime import kernels
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.runtime.generation import GenerationRequest, GenerationStats
-from sparse_engine.runtime.scheduler import QueueFullError, Scheduler
+from sparse_engine.runtime.scheduler import Scheduler
+from sparse_engine.runtime.scoring import Probe, score_many
+from sparse_engine.runtime.tickets import QueueFullError
 from sparse_engine.sparsity.plan import Level, SparsityPlan
 from tests.tiny import tiny_engine
 
@@ -90,7 +92,7 @@ def _request(i: int, **extra: Any) -> GenerationRequest:
 
 @pytest.fixture
 def scheduler() -> Iterator[Scheduler]:
-    made = Scheduler(max_batch=8)
+    made = Scheduler(max_batch=8, batch_from=2)
     yield made
     made.close()
 
@@ -115,28 +117,33 @@ def _same(alone: GenerationStats, batched: GenerationStats) -> None:
     assert batched.token_ids == alone.token_ids
     assert batched.text == alone.text
     assert batched.finish_reason == alone.finish_reason
-    close = {"rtol": 1e-4, "atol": 1e-5}
-    torch.testing.assert_close(batched.token_logprobs, alone.token_logprobs, **close)
+    torch.testing.assert_close(batched.token_logprobs, alone.token_logprobs, rtol=1e-4, atol=1e-5)
     a, b = alone.signals, batched.signals
     assert a is not None and b is not None
     for name in ("sparsity_ratio", "gate_confidence", "activation_stability_pct", "gate_entropy"):
-        torch.testing.assert_close(getattr(b, name), getattr(a, name), **close, msg=name)
+        torch.testing.assert_close(
+            getattr(b, name), getattr(a, name), rtol=1e-4, atol=1e-5, msg=name
+        )
     for name in ("sparsity_per_layer", "silence_rate_per_layer", "step_sparsity"):
-        torch.testing.assert_close(getattr(b, name), getattr(a, name), **close, msg=name)
+        torch.testing.assert_close(
+            getattr(b, name), getattr(a, name), rtol=1e-4, atol=1e-5, msg=name
+        )
     assert a.answer_channels is not None and b.answer_channels is not None
     for x, y in zip(b.answer_channels, a.answer_channels, strict=True):
-        torch.testing.assert_close(x, y, **close)
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
     assert alone.readout is not None and batched.readout is not None
     for name in ("hidden", "lookback", "entropy"):
         got, want = getattr(batched.readout, name), getattr(alone.readout, name)
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("path", ["native", "fallback", "reference"])
+@pytest.mark.parametrize("path", ["native", "native-row-by-row", "fallback", "reference"])
 def test_batched_requests_match_the_same_requests_alone(
     family: str, path: str, scheduler: Scheduler
 ) -> None:
-    engine = _engine(family, path)
+    engine = _engine(family, path.removesuffix("-row-by-row"))
+    if path.endswith("row-by-row"):  # each row's step on the compiled kernel, in its slot
+        scheduler.batch_from = 99
     every_role = _every_role_plan(engine)
     jobs: list[tuple[GenerationRequest, Any]] = [
         (_request(i), level) for i, level in enumerate(LEVELS)
@@ -255,3 +262,28 @@ def test_a_bad_request_fails_alone(scheduler: Scheduler) -> None:
     scheduler.submit(*jobs[0], good)
     assert bad.over.wait(30) and isinstance(bad.failure, ValueError)
     assert good.result().completion_tokens == 6
+
+
+def test_probes_batched_match_each_probe_alone(family: str, scheduler: Scheduler) -> None:
+    """Proxy probes waiting together run as one right-padded pass (per plan), with each
+    answer's signals, log-probabilities, readout and drift as a pass of its own gives."""
+    engine = _engine(family, "reference")
+    answers = ["Four, of course.", "It is sunny and warm", "The sea was grey and the wind " * 3]
+    probes = [
+        Probe([{"role": "user", "content": PROMPTS[i]}], engine.encode_text(a), True, a)
+        for i, a in enumerate(answers)
+    ]
+    alone = [score_many(engine, [p], Level.AGGRESSIVE, readout=True)[0] for p in probes]
+    scheduler.call(lambda: scheduler.attach(engine)).result()
+    gate = threading.Event()
+    scheduler.call(gate.wait)
+    sinks = [Collect() for _ in probes]
+    for probe, sink in zip(probes, sinks, strict=True):
+        scheduler.probe(probe, Level.AGGRESSIVE, sink, readout=True)
+    gate.set()
+    for want, sink in zip(alone, sinks, strict=True):
+        got = sink.result()
+        assert got.batch_size == 3.0  # one pass
+        assert got.token_ids == want.token_ids and got.text == want.text
+        _same(want, got)
+        assert got.semantic_drift_kl == pytest.approx(want.semantic_drift_kl, abs=1e-6)

@@ -71,9 +71,9 @@ def test_time_is_normalised_to_utc() -> None:
 
 def test_unknown_fields_are_tolerated_and_kept() -> None:
     _, value, headers = to_record(make_event())
-    data = json.loads(value) | {"schema_version": "1.3", "gpu_watts": 212.5}
+    data = json.loads(value) | {"schema_version": "1.4", "gpu_watts": 212.5}
     event = parse_event(json.dumps(data).encode(), headers)
-    assert event.schema_version == "1.3"
+    assert event.schema_version == "1.4"
     assert event.model_extra == {"gpu_watts": 212.5}
 
 

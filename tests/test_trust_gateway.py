@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,9 @@ from services.gateway.fallback import SIMPLIFY
 from services.shared.serving import serve
 from services.storage.db import make_engine, session_factory, upgrade
 from services.storage.kb import Passage, ingest
-from sparse_engine.runtime.engine import Engine, Generation, GenerationRequest
-from sparse_engine.sparsity.plan import Level, SparsityPlan
+from sparse_engine.runtime.engine import Engine, GenerationRequest
+from sparse_engine.runtime.sequence import Sequence
+from sparse_engine.sparsity.plan import SparsityPlan
 from sparse_engine.trust.features import RequestSignals
 from sparse_engine.trust.model import TrustStore, fit
 from tests.gateway_fixtures import RecordingSink, running_gateway
@@ -32,17 +34,17 @@ QUESTION = "What is the lighthouse keeper's secret word?"
 
 
 class RecordingEngine(Engine):
-    """The tiny engine, keeping the messages of every generation it is asked for."""
+    """The tiny engine, keeping the messages of every generation it starts."""
 
     def __init__(self, inner: Engine) -> None:
         super().__init__(inner.lm, inner.plans, inner.prefix_cache)
         self.prompts: list[str] = []
 
-    def generate(
-        self, request: GenerationRequest, level: Level | SparsityPlan = Level.DENSE
-    ) -> Generation:
+    def start(
+        self, request: GenerationRequest, plan: SparsityPlan, cancelled: threading.Event
+    ) -> Sequence:
         self.prompts.append("\n".join(m["content"] for m in request.messages or []))
-        return super().generate(request, level)
+        return super().start(request, plan, cancelled)
 
 
 def distrustful_model(home: Path, model_id: str) -> None:

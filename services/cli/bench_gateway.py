@@ -4,7 +4,6 @@ concurrent clients, on loopback, against the real engine."""
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import logging
 import statistics
 import time
@@ -14,6 +13,7 @@ from typing import Any
 
 import httpx
 
+from services.cli.bench_load import kv_budget_mb, peak_rss_mb, print_loads, run_loads
 from services.cli.common import emit, emit_json
 from services.config import Settings, TelemetrySettings
 from services.gateway.app import create_app
@@ -38,6 +38,13 @@ def register(bench: Any) -> None:
     g.add_argument("--requests", type=int, default=20, help="requests per measurement")
     g.add_argument("--max-tokens", type=int, default=8)
     g.add_argument("--level", default="balanced")
+    g.add_argument(
+        "--clients", default="1,4,16,32", help="concurrent clients of the load runs (comma list)"
+    )
+    g.add_argument("--load-tokens", type=int, default=64, help="answer length in the load runs")
+    g.add_argument(
+        "--load-requests", type=int, default=0, help="requests per load run (0: 2 per client, 16+)"
+    )
     g.add_argument("--json", action="store_true")
     g.set_defaults(handler=run_gateway_bench)
 
@@ -53,10 +60,16 @@ def run_gateway_bench(args: argparse.Namespace, settings: Settings) -> int:
         messages=MESSAGES, max_new_tokens=args.max_tokens, temperature=0.0, readout=True
     )
     # Telemetry off: this measures the HTTP path; the producer is asynchronous by design.
+    clients = sorted({int(n) for n in args.clients.split(",") if n.strip()})
+    # As many running sequences as clients, as llama.cpp's server gets parallel slots.
+    engine_cfg = {"drift_sample_rate": 0.0, "max_batch": max(clients)}
     quiet = settings.model_copy(
         update={
             "telemetry": TelemetrySettings(enabled=False),
-            "engine": settings.engine.model_copy(update={"drift_sample_rate": 0.0}),
+            "engine": settings.engine.model_copy(update=engine_cfg),
+            "gateway": settings.gateway.model_copy(
+                update={"queue_size": max(settings.gateway.queue_size, max(clients))}
+            ),
         }
     )
     app = create_app(quiet)  # loads its engine on its engine thread, as served
@@ -83,7 +96,8 @@ def run_gateway_bench(args: argparse.Namespace, settings: Settings) -> int:
         ]
         stats = rt.worker.call(lambda: _generated(rt.engine, request, level)).result()
         stages = _stages(rt, client, url, body, stats)
-        loads = {n: _load(client, url, body, n, max(args.requests, n * 2)) for n in (1, 4, 16)}
+        rss_before = peak_rss_mb()
+        loads = run_loads(rt, url, level, clients, args.load_tokens, args.load_requests, settings)
     report: dict[str, Any] = {
         "direct_ms": _percentiles(direct),
         "gateway_ms": _percentiles(via),
@@ -92,6 +106,8 @@ def run_gateway_bench(args: argparse.Namespace, settings: Settings) -> int:
         "drift_pass_ms": round(statistics.median(drift) - statistics.median(direct), 1),
         "stages_ms": stages,
         "load": loads,
+        "peak_rss_mb": {"before_load": rss_before, "after_load": peak_rss_mb()},
+        "kv_budget_mb": kv_budget_mb(rt),
     }
     if args.json:
         emit_json(report)
@@ -105,9 +121,13 @@ def run_gateway_bench(args: argparse.Namespace, settings: Settings) -> int:
     emit("stages of the added latency, each timed alone (median ms):")
     for name, ms in stages.items():
         emit(f"  {name:32} {ms:8.2f}")
-    for n, load in loads.items():
-        rate, ok, errors = load["requests_per_s"], load["ok"], load["errors"]
-        emit(f"{n:>2} clients: {rate:.2f} req/s, {ok} ok, {errors} errors {load['statuses']}")
+    print_loads(loads)
+    rss = report["peak_rss_mb"]
+    emit(
+        f"peak RSS {rss['before_load']:.0f} MB before the load runs, {rss['after_load']:.0f} MB "
+        f"after; KV budget {report['kv_budget_mb']:.0f} MB ({rt.settings.engine.kv_tokens} "
+        "tokens)"
+    )
     return 0
 
 
@@ -160,25 +180,6 @@ def _post(client: httpx.Client, url: str, body: dict[str, Any]) -> tuple[int, fl
     except httpx.HTTPError:
         status = 0
     return status, (time.perf_counter() - started) * 1000
-
-
-def _load(
-    client: httpx.Client, url: str, body: dict[str, Any], clients: int, total: int
-) -> dict[str, Any]:
-    started = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-        results = list(pool.map(lambda _: _post(client, url, body), range(total)))
-    elapsed = time.perf_counter() - started
-    statuses: dict[int, int] = {}
-    for status, _ in results:
-        statuses[status] = statuses.get(status, 0) + 1
-    ok = statuses.get(200, 0)
-    return {
-        "requests_per_s": round(ok / elapsed, 2),
-        "ok": ok,
-        "errors": total - ok,
-        "statuses": statuses,
-    }
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:

@@ -15,6 +15,7 @@ from tqdm import tqdm
 from services.cli.common import emit, emit_json
 from services.config import Settings
 from services.shared.engine import build_engine
+from sparse_engine.bench.batch_step import batch_step_speed
 from sparse_engine.bench.speed import (
     GB,
     SpeedRow,
@@ -25,7 +26,7 @@ from sparse_engine.bench.speed import (
     reference_speed,
     stream_bandwidth,
 )
-from sparse_engine.data import corpora
+from sparse_engine.data import corpora, traffic
 from sparse_engine.data.splits import evaluation_tokens
 from sparse_engine.model.catalog import gguf_file
 from sparse_engine.model.known import KNOWN
@@ -52,6 +53,36 @@ def register(bench: Any) -> None:
     )
     s.add_argument("--json", action="store_true")
     s.set_defaults(handler=run_speed)
+    b = bench.add_parser("batch-step", help="a decode step of B sequences: batched vs row by row")
+    b.add_argument("--model")
+    b.add_argument("--level", default="balanced")
+    b.add_argument("--sizes", default="1,2,4,8,16,32", help="batch sizes, comma-separated")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(handler=run_batch_step)
+
+
+def run_batch_step(args: argparse.Namespace, settings: Settings) -> int:
+    """Per batch size, ms per decode step each way, on real prompts (ShareGPT) in the slots."""
+    engine = build_engine(settings, args.model)
+    level = Level.parse(args.level)
+    sizes = sorted({int(n) for n in args.sizes.split(",") if n.strip()})
+    prompts = [
+        engine.encode_messages(p.messages())
+        for p in traffic.healthy("chat", settings.cache_home, "evaluation", max(sizes))
+    ]
+    rows = batch_step_speed(engine, engine.plan(level), prompts, sizes)
+    if args.json:
+        emit_json({"level": level.value, "rows": [dataclasses.asdict(r) for r in rows]})
+        return 0
+    emit(f"decode step of B sequences at {level.value} ({engine.lm.model_id}), ms per step")
+    emit(f"{'B':>3} {'row by row':>11} {'batched':>8} {'mixed':>7} {'union read':>11}  faster")
+    for r in rows:
+        emit(
+            f"{r.batch:>3} {r.row_by_row_ms:>11.1f} {r.batched_ms:>8.1f} {r.mixed_ms:>7.1f} "
+            f"{r.union_read_share:>11.2f}  {r.best}"
+        )
+    emit("mixed: half the rows dense, half at the level, in one batch (per-row thresholds)")
+    return 0
 
 
 def run_speed(args: argparse.Namespace, settings: Settings) -> int:

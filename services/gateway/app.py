@@ -72,11 +72,12 @@ async def _start(
     upstream: httpx.AsyncClient | None,
     registry: CollectorRegistry | None,
 ) -> Runtime:
-    worker = EngineWorker(settings.gateway.queue_size)
+    worker = EngineWorker(settings.gateway.queue_size, settings.engine)
     stack.callback(worker.close)
     if engine is None:  # loaded on the thread that runs it (engine_thread: 1.7x faster)
         build = worker.call(lambda: build_engine(settings, prefix_cache=True))
         engine = await asyncio.wrap_future(build)
+    await worker.attach(engine)
     if sink is None and settings.telemetry.enabled:
         from services.telemetry.producer import TelemetryProducer
 

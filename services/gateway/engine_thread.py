@@ -1,36 +1,42 @@
-"""The engine runs in one worker thread behind a bounded queue, so the event loop never
-blocks on the model. A full queue is refused at once (429) instead of piling up. The model is
-best loaded on that thread too (`call`): PyTorch's OpenMP thread pool belongs to the thread
-that runs parallel work, and a model loaded on one thread and run on another decoded 1.7x
-slower on 2 cores (`sparseguard bench gateway`, README "The gateway")."""
+"""The gateway's side of the engine's scheduler (`sparse_engine.runtime.scheduler`): the
+engine runs on the scheduler's one thread, so the event loop never blocks on the model, and
+each request's output comes back to its event loop as a stream of events. Generations join
+the running batch; proxy probes waiting at a step boundary run as one batched pass; other
+engine work (loading the model) runs between two steps. A full waiting queue is refused at
+once (429) instead of piling up. The model is best loaded on the engine thread too (`call`):
+PyTorch's OpenMP thread pool belongs to the thread that runs parallel work, and a model loaded
+on one thread and run on another decoded 1.7x slower on 2 cores (`sparseguard bench
+gateway`, README "The gateway")."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import logging
-import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
-log = logging.getLogger(__name__)
-Emit = Callable[[str], None]
-JobFn = Callable[[Emit, threading.Event], Any]
+from services.config import EngineSettings
+from sparse_engine.runtime.engine import Engine
+from sparse_engine.runtime.generation import GenerationRequest, GenerationStats
+from sparse_engine.runtime.scheduler import Scheduler
+from sparse_engine.runtime.scoring import Probe
+from sparse_engine.runtime.tickets import QueueFullError
+from sparse_engine.sparsity.plan import Level, SparsityPlan
+
 T = TypeVar("T")
-
-
-class QueueFullError(Exception):
-    """The engine queue is full; the caller should retry later."""
+__all__ = ["EngineJob", "EngineWorker", "QueueFullError"]
 
 
 @dataclass(slots=True)
 class EngineJob:
-    run: JobFn
+    """One request's work on the engine thread and the events it sends back (a scheduler
+    sink: `started`, `delta`, `done`, `error` are called on the engine thread)."""
+
     loop: asyncio.AbstractEventLoop
-    out: asyncio.Queue[tuple[str, Any]]
+    out: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
     enqueued_at: float = field(default_factory=time.perf_counter)
     started_at: float | None = None
@@ -47,72 +53,59 @@ class EngineJob:
     def queue_s(self) -> float:
         return (self.started_at or time.perf_counter()) - self.enqueued_at
 
+    def started(self) -> None:
+        self.started_at = time.perf_counter()
+
+    def delta(self, text: str) -> None:
+        self._post(("delta", text))
+
+    def done(self, stats: GenerationStats) -> None:
+        self._post(("done", stats))
+
+    def error(self, exc: Exception) -> None:
+        self._post(("error", exc))
+
+    def _post(self, item: tuple[str, Any]) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+        except RuntimeError:  # the request's event loop is gone; nobody is listening
+            self.cancel.set()
+
 
 class EngineWorker:
-    def __init__(self, queue_size: int) -> None:
-        self._jobs: queue.Queue[EngineJob | _Call[Any] | None] = queue.Queue(maxsize=queue_size)
-        self._thread = threading.Thread(target=self._loop, name="engine-worker", daemon=True)
-        self._thread.start()
+    def __init__(self, queue_size: int, engine: EngineSettings | None = None) -> None:
+        cfg = engine or EngineSettings()
+        self.scheduler = Scheduler(cfg.max_batch, cfg.kv_tokens, queue_size, cfg.batch_from)
 
     @property
     def depth(self) -> int:
-        return self._jobs.qsize()
+        return self.scheduler.depth
 
-    def submit(self, run: JobFn) -> EngineJob:
-        job = EngineJob(run, asyncio.get_running_loop(), asyncio.Queue())
-        try:
-            self._jobs.put_nowait(job)
-        except queue.Full:
-            raise QueueFullError from None
+    @property
+    def running(self) -> int:
+        return self.scheduler.running
+
+    async def attach(self, engine: Engine) -> None:
+        """Serve `engine` from now on (set up on the engine thread)."""
+        await asyncio.wrap_future(self.call(lambda: self.scheduler.attach(engine)))
+
+    def generate(self, request: GenerationRequest, plan: Level | SparsityPlan) -> EngineJob:
+        """Join the running batch with `request`; raises QueueFullError."""
+        job = EngineJob(asyncio.get_running_loop())
+        self.scheduler.submit(request, plan, job, job.cancel)
+        return job
+
+    def probe(self, probe: Probe, plan: Level | SparsityPlan, readout: bool) -> EngineJob:
+        """Queue a teacher-forced probe (proxy mode); the probes waiting at a step boundary
+        run as one batched pass. Raises QueueFullError."""
+        job = EngineJob(asyncio.get_running_loop())
+        self.scheduler.probe(probe, plan, job, readout, job.cancel)
         return job
 
     def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
-        """Run `fn` on the engine thread, after the jobs already queued; its result or error
+        """Run `fn` on the engine thread, after the work already queued; its result or error
         arrives in the future."""
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._jobs.put(_Call(fn, future))
-        return future
+        return self.scheduler.call(fn)
 
     def close(self, timeout: float = 5.0) -> None:
-        try:
-            self._jobs.put(None, timeout=timeout)
-        except queue.Full:
-            log.warning("engine worker queue still full at shutdown")
-        self._thread.join(timeout)
-
-    def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            if isinstance(job, _Call):
-                job.run()
-                continue
-            if job.cancel.is_set():
-                continue
-            job.started_at = time.perf_counter()
-            self._run(job)
-
-    def _run(self, job: EngineJob) -> None:
-        try:
-            result = job.run(lambda delta: _post(job, ("delta", delta)), job.cancel)
-        except Exception as exc:  # handed to the request, which maps it to an API error
-            _post(job, ("error", exc))
-        else:
-            _post(job, ("done", result))
-
-
-@dataclass(slots=True)
-class _Call(Generic[T]):
-    fn: Callable[[], T]
-    future: concurrent.futures.Future[T]
-
-    def run(self) -> None:
-        try:
-            self.future.set_result(self.fn())
-        except Exception as exc:
-            self.future.set_exception(exc)
-
-
-def _post(job: EngineJob, item: tuple[str, Any]) -> None:
-    try:
-        job.loop.call_soon_threadsafe(job.out.put_nowait, item)
-    except RuntimeError:  # the request's event loop is gone; nobody is listening
-        job.cancel.set()
+        self.scheduler.close(timeout)

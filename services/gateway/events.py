@@ -118,6 +118,7 @@ def build_event(
         ttft_ms=stats.time_to_first_token_s * 1000 if stats else None,
         total_ms=total_ms,
         queue_ms=final.queue_s * 1000 if final else None,
+        batch_size=stats.batch_size if stats else None,
         decode_tokens_per_s=stats.decode_tokens_per_s if stats else None,
         cache_hit_rate=stats.cache_hit_rate if stats else None,
         trust_score=final.trust.score if final else None,
@@ -156,6 +157,7 @@ def _observe(rt: Runtime, p: Prepared, final: Final | None, error: ApiError | No
     stats = final.stats
     m.ttft.labels(mode).observe(stats.time_to_first_token_s)
     m.queue_wait.observe(final.queue_s)
+    m.batch_size.observe(stats.batch_size)
     m.tokens.labels("prompt").inc(stats.prompt_tokens)
     m.tokens.labels("completion").inc(stats.completion_tokens)
     m.cache_tokens.labels("hit").inc(stats.cached_tokens)

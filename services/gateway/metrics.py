@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from services.shared.metrics_table import MetricSpec, declare
 
 LATENCY = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+BATCH = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 64.0)
 RATIO = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 GATEWAY_METRICS = (
@@ -26,6 +27,14 @@ GATEWAY_METRICS = (
         "gateway_time_to_first_token_seconds", Histogram, "Time to first token", ("mode",), LATENCY
     ),
     MetricSpec("gateway_queue_wait_seconds", Histogram, "Wait for the engine worker", (), LATENCY),
+    MetricSpec(
+        "engine_batch_size",
+        Histogram,
+        "Mean sequences per decode step, per request (continuous batching)",
+        (),
+        BATCH,
+    ),
+    MetricSpec("engine_running_sequences", Gauge, "Sequences decoding in the running batch"),
     MetricSpec(
         "gateway_request_sparsity_ratio", Histogram, "Per-request sparsity", ("level",), RATIO
     ),
@@ -84,6 +93,8 @@ class GatewayMetrics:
         self.duration = cast(Histogram, m["gateway_request_duration_seconds"])
         self.ttft = cast(Histogram, m["gateway_time_to_first_token_seconds"])
         self.queue_wait = cast(Histogram, m["gateway_queue_wait_seconds"])
+        self.batch_size = cast(Histogram, m["engine_batch_size"])
+        self.running = cast(Gauge, m["engine_running_sequences"])
         self.sparsity = cast(Histogram, m["gateway_request_sparsity_ratio"])
         self.tokens = cast(Counter, m["gateway_tokens_total"])
         self.cache_tokens = cast(Counter, m["gateway_prefix_cache_tokens_total"])

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, replace
@@ -13,7 +12,7 @@ from urllib.parse import urlsplit
 
 from opentelemetry.trace import SpanKind
 
-from services.gateway.engine_thread import Emit, EngineJob, JobFn, QueueFullError
+from services.gateway.engine_thread import EngineJob, QueueFullError
 from services.gateway.errors import ApiError
 from services.gateway.fallback import route_action, simplified, with_passages
 from services.gateway.intake import Prepared
@@ -23,7 +22,7 @@ from services.gateway.trust import Trust
 from services.gateway.upstream import stream_upstream
 from sparse_engine.calibration.store import CalibrationNotFoundError
 from sparse_engine.runtime.generation import GenerationRequest, GenerationStats, Message
-from sparse_engine.runtime.scoring import score_answer
+from sparse_engine.runtime.scoring import Probe
 
 log = logging.getLogger(__name__)
 
@@ -144,15 +143,11 @@ async def _serve(
         readout=True,  # what the trust model reads (`sparsity.readout`)
     )
 
-    def run(emit: Emit, cancel: threading.Event) -> GenerationStats:
-        generation = rt.engine.generate(request, p.plan)
-        for delta in generation:
-            emit(delta)
-            if cancel.is_set():
-                generation.cancel()
-        return generation.result()
-
-    async for item in _drain(_submit(rt, run)):
+    try:
+        job = rt.worker.generate(request, p.plan)
+    except QueueFullError:
+        raise _queue_full(rt) from None
+    async for item in _drain(job):
         yield item
 
 
@@ -175,11 +170,13 @@ async def _proxy(
             span.set_attributes({"gen_ai.operation.name": "chat", "server.address": _host(rt)})
     answer = "".join(parts)
 
-    def run(emit: Emit, cancel: threading.Event) -> GenerationStats:
-        return score_answer(rt.engine, messages, answer, p.plan, p.measure_drift, readout=True)
-
+    probe = Probe(messages, rt.engine.encode_text(answer), p.measure_drift, answer)
+    try:
+        job = rt.worker.probe(probe, p.plan, readout=True)
+    except QueueFullError:
+        raise _queue_full(rt) from None
     with child_span(rt.tracing, p.span, "probe") as span:
-        async for item in _drain(_submit(rt, run)):
+        async for item in _drain(job):
             if isinstance(item, Answered):
                 item.stats.time_to_first_token_s = (first_at or time.perf_counter()) - p.started
                 if span is not None:
@@ -191,14 +188,9 @@ def _host(rt: Runtime) -> str:
     return urlsplit(rt.settings.gateway.upstream_url or "").hostname or ""
 
 
-def _submit(rt: Runtime, run: JobFn) -> EngineJob:
-    try:
-        return rt.worker.submit(run)
-    except QueueFullError:
-        rt.metrics.rejections.inc()
-        raise ApiError(
-            429, "the engine queue is full; retry shortly", {"Retry-After": "1"}
-        ) from None
+def _queue_full(rt: Runtime) -> ApiError:
+    rt.metrics.rejections.inc()
+    return ApiError(429, "the engine queue is full; retry shortly", {"Retry-After": "1"})
 
 
 async def _drain(job: EngineJob) -> AsyncIterator[str | Answered]:

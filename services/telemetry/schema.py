@@ -15,9 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = (
-    "1.3"  # 1.1 prompt_text; 1.2 trust reasons, token confidence; 1.3 end_user, traceparent
-)
+# 1.1 prompt_text; 1.2 trust reasons, token confidence; 1.3 end_user, traceparent;
+# 1.4 batch_size
+SCHEMA_VERSION = "1.4"
 SUPPORTED_MAJOR = "1"
 CE_TYPE = "io.sparseguard.telemetry.v1"
 CE_SOURCE = "sparseguard/gateway"
@@ -78,6 +78,9 @@ class TelemetryEvent(BaseModel):
     ttft_ms: float | None = None
     total_ms: float | None = None
     queue_ms: float | None = None
+    batch_size: float | None = Field(
+        None, description="mean sequences per decode step the request ran in (batching)"
+    )
     decode_tokens_per_s: float | None = None
     cache_hit_rate: float | None = None
     trust_score: float | None = None

@@ -20,41 +20,30 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
 from sparse_engine.runtime.batch import BatchStep, KVSlots, Row
 from sparse_engine.runtime.engine import Engine
-from sparse_engine.runtime.generation import GenerationRequest, GenerationStats
+from sparse_engine.runtime.generation import GenerationRequest
 from sparse_engine.runtime.prefill import FastKV, ReferenceKV
+from sparse_engine.runtime.scoring import Probe
 from sparse_engine.runtime.sequence import Sequence
+from sparse_engine.runtime.tickets import (
+    ProbeTicket,
+    QueueFullError,
+    Sink,
+    Ticket,
+    Waiting,
+    probe_batches,
+    run_probes,
+)
 from sparse_engine.sparsity.plan import Level, SparsityPlan
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class QueueFullError(Exception):
-    """Too many requests are waiting; the caller should retry later."""
-
-
-class Sink(Protocol):
-    """Where a request's output goes, called on the scheduler's thread."""
-
-    def started(self) -> None: ...  # admitted: its prefill begins
-    def delta(self, text: str) -> None: ...
-    def done(self, stats: GenerationStats) -> None: ...
-    def error(self, exc: Exception) -> None: ...
-
-
-@dataclass(slots=True)
-class Ticket:
-    request: GenerationRequest
-    level: Level | SparsityPlan
-    sink: Sink
-    cancelled: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass(slots=True)
@@ -76,11 +65,22 @@ class _Call:
 
 
 class Scheduler:
-    def __init__(self, max_batch: int = 8, kv_tokens: int = 8192, max_waiting: int = 16) -> None:
+    def __init__(
+        self,
+        max_batch: int = 16,
+        kv_tokens: int = 16384,
+        max_waiting: int = 16,
+        batch_from: int = 5,
+    ) -> None:
         self.max_batch, self.kv_tokens, self.max_waiting = max_batch, kv_tokens, max_waiting
+        # From this many fast-path sequences a step runs as one batched product; fewer step
+        # row by row on the compiled kernel, which reads only each row's kept weight rows
+        # (`sparseguard bench batch-step` measures where one overtakes the other).
+        self.batch_from = batch_from
         self.engine: Engine | None = None  # set (`attach`) before the first submit
-        self._inbox: queue.SimpleQueue[Ticket | _Call | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Ticket | ProbeTicket | _Call | None] = queue.SimpleQueue()
         self._waiting: deque[Ticket] = deque()
+        self._probes: list[ProbeTicket] = []
         self._pending = 0  # submitted, not yet admitted (read from other threads)
         self._lock = threading.Lock()
         self._fast: list[_Live] = []  # on the fast path; index = KV slot
@@ -109,24 +109,47 @@ class Scheduler:
             if engine.fast.dtype == "float32":
                 self._batched = BatchStep(self._slots)
 
-    def submit(self, request: GenerationRequest, level: Level | SparsityPlan, sink: Sink) -> Ticket:
+    def submit(
+        self,
+        request: GenerationRequest,
+        level: Level | SparsityPlan,
+        sink: Sink,
+        cancelled: threading.Event | None = None,
+    ) -> Ticket:
+        """Queue `request`; its output goes to `sink`. Setting `cancelled` (the ticket's)
+        stops it after its current step."""
+        self._reserve()
+        ticket = Ticket(request, level, sink, cancelled or threading.Event())
+        self._inbox.put(ticket)
+        return ticket
+
+    def probe(
+        self,
+        probe: Probe,
+        level: Level | SparsityPlan,
+        sink: Sink,
+        readout: bool = False,
+        cancelled: threading.Event | None = None,
+    ) -> ProbeTicket:
+        """Queue a teacher-forced probe of a given answer (`runtime.scoring`); the probes
+        waiting at a step boundary run as one batched pass per plan."""
+        self._reserve()
+        ticket = ProbeTicket(probe, level, readout, sink, cancelled or threading.Event())
+        self._inbox.put(ticket)
+        return ticket
+
+    def _reserve(self) -> None:
         with self._lock:
             if self._pending >= self.max_waiting:
                 raise QueueFullError
             self._pending += 1
-        ticket = Ticket(request, level, sink)
-        self._inbox.put(ticket)
-        return ticket
 
     def call(self, fn: Callable[[], T], admit: bool = False) -> concurrent.futures.Future[T]:
         """Run `fn` on the scheduler's thread between two steps; `admit` counts it as a
         waiting request (QueueFullError past the limit)."""
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         if admit:
-            with self._lock:
-                if self._pending >= self.max_waiting:
-                    raise QueueFullError
-                self._pending += 1
+            self._reserve()
 
         def run() -> T:
             if admit:
@@ -146,7 +169,7 @@ class Scheduler:
 
     def _loop(self) -> None:
         while True:
-            block = not self.running and not self._waiting
+            block = not self.running and not self._waiting and not self._probes
             try:
                 item = self._inbox.get(block=block)
                 while True:
@@ -157,12 +180,17 @@ class Scheduler:
             except queue.Empty:
                 pass
             self._admit()
+            if self._probes:
+                self._run_probes()
             if self.running:
                 self._step()
 
-    def _take(self, item: Ticket | _Call) -> None:
+    def _take(self, item: Ticket | ProbeTicket | _Call) -> None:
         if isinstance(item, Ticket):
             self._waiting.append(item)
+            return
+        if isinstance(item, ProbeTicket):
+            self._probes.append(item)
             return
         try:
             item.future.set_result(item.fn())
@@ -208,6 +236,27 @@ class Scheduler:
             self._finish([live])
         return live
 
+    def _run_probes(self) -> None:
+        """Every waiting probe, one batched pass per plan (and readout setting), in batches
+        of at most `kv_tokens` padded tokens."""
+        engine = self.engine
+        assert engine is not None, "attach an engine before submitting"
+        waiting, self._probes = self._probes, []
+        groups: dict[tuple[int, bool], list[Waiting]] = {}
+        for ticket in waiting:
+            self._admitted()
+            if ticket.cancelled.is_set():
+                continue
+            try:
+                plan = engine.plan(ticket.level)
+            except Exception as exc:
+                ticket.sink.error(exc)
+                continue
+            groups.setdefault((id(plan), ticket.readout), []).append((ticket, plan))
+        for group in groups.values():
+            for batch in probe_batches(group, self.kv_tokens):
+                run_probes(engine, batch)
+
     def _step(self) -> None:
         engine = self.engine
         assert engine is not None
@@ -236,12 +285,12 @@ class Scheduler:
         self._finish([live for live in (*self._fast, *self._reference) if live.seq.done])
 
     def _fast_step(self, fast: list[_Live]) -> list[torch.Tensor]:
-        """One decode step of every fast-path sequence: batched, or alone on the compiled
-        kernel when there is one sequence (or no batched step for the weight type)."""
+        """One decode step of every fast-path sequence: batched, or row by row on the compiled
+        kernel below `batch_from` sequences (or without a batched step for the weight type)."""
         assert self._slots is not None
         self.steps += 1
         self.rows += len(fast)
-        if len(fast) == 1 or self._batched is None:
+        if len(fast) < max(self.batch_from, 2) or self._batched is None:
             out = []
             for slot, live in enumerate(fast):
                 seq = live.seq

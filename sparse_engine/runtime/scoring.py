@@ -1,10 +1,15 @@
 """Teacher-forced probe: the signals of a given answer to a prompt (proxy mode), from one
-sparse forward pass over prompt + answer, plus one dense pass when drift is wanted."""
+sparse forward pass over prompt + answer, plus one dense pass when drift is wanted. Several
+answers under one plan run as one right-padded batch (`score_many`): each row's hooks and
+readout see only its own positions (`RowRecorders`, `RowReadouts`), so each gets the signals
+it would have got alone."""
 
 from __future__ import annotations
 
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -13,7 +18,18 @@ from sparse_engine.runtime.generation import GenerationStats, Message
 from sparse_engine.sparsity import signals
 from sparse_engine.sparsity.hooks import read_out, sparsified
 from sparse_engine.sparsity.plan import Level, SparsityPlan
-from sparse_engine.sparsity.recorder import SignalRecorder
+from sparse_engine.sparsity.readout import Readout, RowReadouts
+from sparse_engine.sparsity.recorder import RowRecorders, SignalRecorder
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """One answer to score: `answer_ids` its tokens, `text` its text if known."""
+
+    messages: list[Message]
+    answer_ids: list[int]
+    measure_drift: bool
+    text: str | None = None
 
 
 def score_answer(
@@ -41,40 +57,117 @@ def score_tokens(
     text: str | None = None,
 ) -> GenerationStats:
     """`score_answer` of an answer given as token ids (`text`: its text, if known)."""
+    probe = Probe(messages, answer_ids, measure_drift, text)
+    return score_many(engine, [probe], level, readout)[0]
+
+
+def score_many(
+    engine: Engine, probes: list[Probe], level: Level | SparsityPlan, readout: bool = False
+) -> list[GenerationStats]:
+    """`score_tokens` of several answers under one plan, in one forward pass."""
     plan = engine.plan(level)
-    prompt_ids = engine.encode_messages(messages)
-    engine.check_length(len(prompt_ids), max(len(answer_ids), 1))
-    ids = torch.tensor([prompt_ids + answer_ids])
-    recorder = SignalRecorder(engine.lm.num_layers, plan.silence_thresholds)
-    recorder.track_positions(ids.shape[1])
-    recorder.answer_start = len(prompt_ids)
-    reader = engine._readout(len(prompt_ids), ids.shape[1] - 1) if readout else None
+    prompts = [engine.encode_messages(p.messages) for p in probes]
+    for prompt, probe in zip(prompts, probes, strict=True):
+        engine.check_length(len(prompt), max(len(probe.answer_ids), 1))
+    rows = [prompt + p.answer_ids for prompt, p in zip(prompts, probes, strict=True)]
+    lengths = [len(row) for row in rows]
+    width = max(lengths)
+    ids = torch.tensor([row + [0] * (width - len(row)) for row in rows])
+    recorders = []
+    for prompt, n in zip(prompts, lengths, strict=True):
+        recorder = SignalRecorder(engine.lm.num_layers, plan.silence_thresholds)
+        recorder.track_positions(n)
+        recorder.answer_start = len(prompt)
+        recorders.append(recorder)
+    readers = [
+        engine._readout(len(prompt), n - 1) for prompt, n in zip(prompts, lengths, strict=True)
+    ]
+    batched = len(probes) > 1
+    recorder = RowRecorders(recorders, lengths) if batched else recorders[0]
+    reader: Readout = RowReadouts(readers, lengths) if batched else readers[0]
+    mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
     started = time.perf_counter()
     with (
         torch.inference_mode(),
         sparsified(engine.lm.layers, plan, recorder),
-        read_out(engine.lm.model, engine.lm.layers, reader) if reader else nullcontext(),
+        read_out(engine.lm.model, engine.lm.layers, reader) if readout else nullcontext(),
     ):
         recorder.begin_step()
-        sparse_logits = engine.lm.model(input_ids=ids).logits[0]
+        spans = [(len(prompt) - 1, n - 1) for prompt, n in zip(prompts, lengths, strict=True)]
+        answers = _answer_logits(engine, ids, mask if batched else None, spans)
         recorder.end_step()
     elapsed = time.perf_counter() - started
+    wanted = [
+        (i, (prompt, p.answer_ids, answers[i]))
+        for i, (prompt, p) in enumerate(zip(prompts, probes, strict=True))
+        if p.measure_drift and not plan.is_dense and p.answer_ids
+    ]
+    drifts = dict(
+        zip([i for i, _ in wanted], engine.semantic_drift_many([x for _, x in wanted]), strict=True)
+    )
+    out = []
+    for i, probe in enumerate(probes):
+        drift = drifts.get(i, 0.0) if probe.measure_drift else None
+        reading = readers[i] if readout else None
+        out.append(_stats(engine, plan, probe, prompts[i], answers[i], recorders[i], reading))
+        out[-1].semantic_drift_kl = drift
+        out[-1].prefill_tokens_per_s = sum(lengths) / max(elapsed, 1e-9)
+    return out
+
+
+def _answer_logits(
+    engine: Engine, ids: torch.Tensor, mask: torch.Tensor | None, spans: list[tuple[int, int]]
+) -> list[torch.Tensor]:
+    """Each row's logits over its span of positions. A batch's head runs on those positions
+    only (the final norm's output, caught by a hook): a (B, T, vocab) tensor of logits would
+    take B x T x vocab x 4 bytes (1 GB for 16 SmolLM2 probes of 300 tokens)."""
+    model: Any = engine.lm.model
+    norm = _final_norm(model)
+    if len(spans) == 1 or norm is None or not engine._keeps_logits:
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        return [logits[b, start:end] for b, (start, end) in enumerate(spans)]
+    caught: list[torch.Tensor] = []
+    handle = norm.register_forward_hook(lambda module, args, out: caught.append(out))
+    try:
+        model(input_ids=ids, attention_mask=mask, logits_to_keep=1)
+    finally:
+        handle.remove()
+    head = model.get_output_embeddings()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    out = []
+    for b, (start, end) in enumerate(spans):
+        logits = head(caught[-1][b, start:end])
+        out.append(torch.tanh(logits / cap) * cap if cap else logits)
+    return out
+
+
+def _final_norm(model: Any) -> torch.nn.Module | None:
+    """The norm before the head (Llama, Qwen2, Gemma: model.norm; GPT-2: transformer.ln_f)."""
+    inner = getattr(model, "model", None) or getattr(model, "transformer", None)
+    found = getattr(inner, "norm", None) or getattr(inner, "ln_f", None)
+    return found if isinstance(found, torch.nn.Module) else None
+
+
+def _stats(
+    engine: Engine,
+    plan: SparsityPlan,
+    probe: Probe,
+    prompt_ids: list[int],
+    answer_logits: torch.Tensor,  # at the positions that predict each answer token
+    recorder: SignalRecorder,
+    reader: Readout | None,
+) -> GenerationStats:
+    answer_ids = probe.answer_ids
     summary = recorder.summary()
     answer_steps = recorder.position_sparsity()[len(prompt_ids) :]
     summary.step_sparsity = answer_steps
     summary.activation_stability_pct = signals.coefficient_of_variation_pct(answer_steps)
-    predicted = sparse_logits[len(prompt_ids) - 1 : -1].float().log_softmax(-1)
+    predicted = answer_logits.float().log_softmax(-1)
     chosen = predicted.gather(
         -1, torch.tensor(answer_ids, dtype=torch.long).reshape(-1, 1)
     ).reshape(-1)
-    drift = None
-    if measure_drift:
-        drift = 0.0
-        if not plan.is_dense and answer_ids:
-            positions = sparse_logits[len(prompt_ids) - 1 : -1]
-            drift = engine.semantic_drift(prompt_ids, answer_ids, positions)
     return GenerationStats(
-        text=engine.lm.tokenizer.decode(answer_ids) if text is None else text,
+        text=engine.lm.tokenizer.decode(answer_ids) if probe.text is None else probe.text,
         level=plan.level.value,
         calibration_version=plan.calibration_version,
         prompt_tokens=len(prompt_ids),
@@ -82,12 +175,11 @@ def score_tokens(
         finish_reason="stop",
         time_to_first_token_s=0.0,
         decode_tokens_per_s=0.0,
-        prefill_tokens_per_s=ids.shape[1] / max(elapsed, 1e-9),
+        prefill_tokens_per_s=0.0,
         input_entropy_bits_per_char=signals.entropy_bits_per_char(
-            "\n".join(m["content"] for m in messages)
+            "\n".join(m["content"] for m in probe.messages)
         ),
         signals=summary,
-        semantic_drift_kl=drift,
         token_ids=answer_ids,
         token_logprobs=chosen.tolist(),
         token_entropies=signals.entropy_nats(predicted).tolist(),

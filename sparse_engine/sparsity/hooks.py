@@ -130,6 +130,8 @@ def _attention_hook(layer: int, readout: Readout) -> Any:
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         probs = output[1] if isinstance(output, tuple) and len(output) > 1 else None
         if probs is not None and readout.wants(readout.cursor, probs.shape[-2]):
-            readout.observe_attention(layer, probs[0], readout.cursor)
+            # a batch goes whole to a reader of batches (`readout.RowReadouts`)
+            rows = probs[0] if probs.shape[0] == 1 else probs
+            readout.observe_attention(layer, rows, readout.cursor)
 
     return hook

@@ -135,6 +135,31 @@ class Readout:
         return AnswerReadout(self.layers, hidden.float(), lookback.float(), entropy.float())
 
 
+class RowReadouts(Readout):
+    """Several answers' readouts behind one batched, right-padded forward pass through the
+    hooks (`sparsity.hooks.read_out`), which hand it the whole batch: row b goes to
+    readouts[b], cut to its `lengths[b]` real positions (keys too)."""
+
+    def __init__(self, readouts: list[Readout], lengths: list[int]) -> None:
+        self.rows, self.lengths = readouts, lengths
+        self.cursor = 0
+
+    def wants(self, start: int, n: int) -> bool:
+        return any(r.wants(start, n) for r in self.rows)
+
+    def observe_hidden(self, layer: int, rows: torch.Tensor, start: int) -> None:
+        batch = rows.reshape(len(self.rows), -1, rows.shape[-1])
+        for readout, n, row in zip(self.rows, self.lengths, batch, strict=True):
+            if readout.wants(start, n):
+                readout.observe_hidden(layer, row[:n], start)
+
+    def observe_attention(self, layer: int, probs: torch.Tensor, start: int) -> None:
+        """probs (B, heads, T, T)."""
+        for readout, n, row in zip(self.rows, self.lengths, probs, strict=True):
+            if readout.wants(start, n):
+                readout.observe_attention(layer, row[:, :n, :n], start)
+
+
 def _pack(t: torch.Tensor) -> dict[str, Any]:
     raw = t.to(torch.float16).contiguous().numpy().tobytes()
     return {"shape": list(t.shape), "f16": base64.b64encode(raw).decode("ascii")}

@@ -210,6 +210,32 @@ class SignalRecorder:
         return sum(values) / len(values) if values else 0.0
 
 
+class RowRecorders(SignalRecorder):
+    """Several requests' recorders behind one batched forward pass through the hooks: row b of
+    each (B, T, width) tensor goes to recorders[b], cut to its `lengths[b]` real positions
+    (the batch is right-padded)."""
+
+    def __init__(self, recorders: Sequence[SignalRecorder], lengths: Sequence[int]) -> None:
+        super().__init__(recorders[0].num_layers)
+        self.rows, self.lengths = list(recorders), list(lengths)
+
+    def begin_step(self) -> None:
+        for recorder in self.rows:
+            recorder.begin_step()
+
+    def end_step(self) -> None:
+        for recorder in self.rows:
+            recorder.end_step()
+
+    def observe_sparsified(self, layer: int, magnitude: torch.Tensor, kept: torch.Tensor) -> None:
+        for recorder, n, m, k in zip(self.rows, self.lengths, magnitude, kept, strict=True):
+            recorder.observe_sparsified(layer, m[:n], k[:n])
+
+    def observe_channels(self, layer: int, magnitude: torch.Tensor) -> None:
+        for recorder, n, m in zip(self.rows, self.lengths, magnitude, strict=True):
+            recorder.observe_channels(layer, m[:n])
+
+
 @dataclass(slots=True)
 class LayerCounts:
     """Per-layer sums over one step's sparsified tensors, as `observe_sparsified` keeps them:

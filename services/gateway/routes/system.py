@@ -41,6 +41,7 @@ async def readyz(rt: RuntimeDep) -> JSONResponse:
 @router.get("/metrics")
 async def metrics(rt: RuntimeDep) -> Response:
     rt.metrics.queue_depth.set(rt.worker.depth)
+    rt.metrics.running.set(rt.worker.running)
     stats = getattr(rt.sink, "stats", None)
     if callable(stats):
         current = stats()
