@@ -175,7 +175,9 @@ class Engine:
         """A sequence for `request` under `plan`, not yet prefilled (`prefill`)."""
         ids, plain = self.encode(request)
         self.check_length(len(ids), request.max_new_tokens)
-        return Sequence(self, request, plan, ids, plain, cancelled)
+        fast = self._fast_for(plan, len(ids) + request.max_new_tokens)
+        readout = self._readout(len(ids)) if request.readout else None
+        return Sequence(self.lm, request, plan, ids, plain, cancelled, fast, readout)
 
     def passes(self, seq: Sequence) -> ExitStack:
         """What a reference-path forward pass of `seq` runs inside: the mask, the plan's hooks

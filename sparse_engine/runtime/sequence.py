@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from sparse_engine.model.chat import template_stops
+from sparse_engine.model.loader import LoadedModel
 from sparse_engine.runtime.fastpath import FastDecoder
 from sparse_engine.runtime.generation import GenerationRequest, GenerationStats
 from sparse_engine.runtime.prefill import Prefilled
@@ -24,9 +24,6 @@ from sparse_engine.sparsity.plan import SparsityPlan
 from sparse_engine.sparsity.readout import Readout
 from sparse_engine.sparsity.recorder import SignalRecorder
 
-if TYPE_CHECKING:
-    from sparse_engine.runtime.engine import Engine
-
 
 class Sequence:
     """Feed it the logits of each position in turn (`accept`); it picks the next token
@@ -35,39 +32,38 @@ class Sequence:
 
     def __init__(
         self,
-        engine: Engine,
+        lm: LoadedModel,
         request: GenerationRequest,
         plan: SparsityPlan,
         prompt_ids: list[int],
         plain: str,
         cancelled: threading.Event,
+        fast: FastDecoder | None,
+        readout: Readout | None,
     ) -> None:
         self.request, self.plan, self.prompt_ids, self.plain = request, plan, prompt_ids, plain
         self.cancelled = cancelled
         self.recorder = (
-            SignalRecorder(engine.lm.num_layers, plan.silence_thresholds)
+            SignalRecorder(lm.num_layers, plan.silence_thresholds)
             if request.collect_signals
             else None
         )
         stops = request.stop
         if request.messages is not None and not request.ignore_eos:
-            stops += template_stops(engine.lm.tokenizer)
-        self.stream = TextStream(engine.lm.tokenizer, stops)
+            stops += template_stops(lm.tokenizer)
+        self.stream = TextStream(lm.tokenizer, stops)
         self.generator = (
             torch.Generator().manual_seed(request.seed) if request.seed is not None else None
         )
-        self.eos = set() if request.ignore_eos else eos_ids(engine.lm)
+        self.eos = set() if request.ignore_eos else eos_ids(lm)
         self.adjust = LogitAdjust(
-            engine.vocab_size,
+            int(lm.model.get_output_embeddings().weight.shape[0]),
             request.presence_penalty,
             request.frequency_penalty,
             request.logit_bias,
         )
         self.confidence = TokenConfidence(request.top_logprobs)
-        self.fast: FastDecoder | None = engine._fast_for(
-            plan, len(prompt_ids) + request.max_new_tokens
-        )
-        self.readout: Readout | None = engine._readout(len(prompt_ids)) if request.readout else None
+        self.fast, self.readout = fast, readout
         self.generated: list[int] = []
         self.kept_logits: list[torch.Tensor] = []
         self.token = -1
