@@ -37,7 +37,7 @@ class EngineSettings(BaseModel):
     # compiled kernel; `sparseguard bench batch-step` measures the crossover).
     max_batch: int = Field(16, ge=1)
     kv_tokens: int = Field(16384, ge=16)
-    batch_from: int = Field(5, ge=2)
+    batch_from: int = Field(4, ge=2)
     # The baseline pass that ends every calibration: healthy prompts per level (and dense),
     # of these kinds (sparse_engine.data.traffic), answered greedily to this many tokens.
     baseline_requests: int = Field(120, ge=10)

@@ -70,7 +70,7 @@ class Scheduler:
         max_batch: int = 16,
         kv_tokens: int = 16384,
         max_waiting: int = 16,
-        batch_from: int = 5,
+        batch_from: int = 4,
     ) -> None:
         self.max_batch, self.kv_tokens, self.max_waiting = max_batch, kv_tokens, max_waiting
         # From this many fast-path sequences a step runs as one batched product; fewer step
