@@ -17,6 +17,7 @@ import shutil
 import socket
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -113,7 +114,11 @@ def run_clients(
 
 
 def stream_openai(
-    client: httpx.Client, url: str, body: dict[str, Any], count_usage: bool = True
+    client: httpx.Client,
+    url: str,
+    body: dict[str, Any],
+    count_usage: bool = True,
+    retry: bool = True,
 ) -> Sample:
     """One streamed chat completion: time to the first content and to the end, and the
     completion tokens from the usage chunk (or one per content chunk without one)."""
@@ -137,6 +142,12 @@ def stream_openai(
                     if (choice.get("delta") or {}).get("content"):
                         first = first or time.perf_counter() - started
                         chunks += 1
+    except httpx.RemoteProtocolError as exc:
+        if not first and retry:
+            # a kept-alive connection the server had closed before this request reached it
+            return stream_openai(client, url, body, count_usage, retry=False)
+        log.warning("request failed: %s", exc)
+        return Sample(False, 0.0, time.perf_counter() - started, 0)
     except httpx.HTTPError as exc:
         log.warning("request failed: %s", exc)
         return Sample(False, 0.0, time.perf_counter() - started, 0)
@@ -199,25 +210,32 @@ def llama_server(binary: Path, gguf: Path, slots: int, context: int) -> Iterator
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"llama-server exited with status {process.returncode}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise RuntimeError("llama-server did not become healthy within 120 s")
+        _wait_healthy(process, f"{url}/health", "llama-server")
         yield url
     finally:
-        process.terminate()
+        _stop(process)
+
+
+def _wait_healthy(process: subprocess.Popen[bytes], url: str, name: str) -> None:
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited with status {process.returncode}")
         try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{name} did not become healthy within 180 s")
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        process.kill()
 
 
 def _free_port() -> int:
@@ -228,21 +246,21 @@ def _free_port() -> int:
 
 def run_loads(
     rt: Runtime,
-    url: str,
     level: Level,
     clients: list[int],
     tokens: int,
     requests: int,
     settings: Settings,
 ) -> dict[str, Any]:
-    """Each client count against the gateway, the engine alone and llama.cpp's server."""
+    """Each client count against the gateway (its own process, as deployed: a client in the
+    same process would take the interpreter lock from its engine thread), the engine alone
+    (the scheduler of `rt`, in this process) and llama.cpp's server."""
     count = max(requests, 2 * max(clients), 16)
     prompts = healthy("chat", settings.cache_home, "evaluation", count)
 
     def body(i: int) -> dict[str, Any]:
-        messages = prompts[i % len(prompts)].messages()
         return {
-            "messages": messages,
+            "messages": prompts[i % len(prompts)].messages(),
             "max_tokens": tokens,
             "temperature": 0,
             "ir_sparse_level": level.value,  # llama.cpp's server ignores it
@@ -255,13 +273,18 @@ def run_loads(
         )
 
     out: dict[str, Any] = {"gateway": [], "engine": [], "llama_server": []}
-    scheduler = rt.worker.scheduler
-    with httpx.Client(limits=httpx.Limits(max_connections=max(clients) + 4)) as client:
-        for n in clients:
-            total = requests or max(16, 2 * n)
-            log.info("load: %d clients, %d requests", n, total)
-            got = run_clients(lambda i: stream_openai(client, url, body(i)), n, total)
-            out["gateway"].append(summarise("gateway", n, *got).to_dict())
+    sizes = [(n, requests or max(16, 2 * n)) for n in clients]
+    limits = httpx.Limits(max_connections=max(clients) + 4)
+    with httpx.Client(limits=limits) as client:
+        with gateway_process(max(clients)) as (url, process):
+            for n, total in sizes:
+                log.info("load: gateway, %d clients, %d requests", n, total)
+                got = run_clients(lambda i: stream_openai(client, url, body(i)), n, total)
+                out["gateway"].append(summarise("gateway", n, *got).to_dict())
+            out["gateway_peak_rss_mb"] = peak_rss_of(process.pid)
+        scheduler = rt.worker.scheduler
+        for n, total in sizes:
+            log.info("load: engine alone, %d clients, %d requests", n, total)
             got = run_clients(lambda i: engine_alone(scheduler, request(i), level), n, total)
             out["engine"].append(summarise("engine alone", n, *got).to_dict())
         binary = llama_server_binary()
@@ -269,13 +292,45 @@ def run_loads(
             out["llama_server"] = "absent: `make llama-server` builds it"
             return out
         gguf = gguf_file(settings.engine.model, settings.cache_home)
-        for n in clients:
-            total = requests or max(16, 2 * n)
+        for n, total in sizes:
+            log.info("load: llama.cpp server, %d slots, %d requests", n, total)
             with llama_server(binary, gguf, n, n * 1024) as served:
                 stream_openai(client, served, body(0))  # warm-up
                 got = run_clients(lambda i: stream_openai(client, served, body(i)), n, total)
             out["llama_server"].append(summarise("llama.cpp server", n, *got).to_dict())
     return out
+
+
+@contextmanager
+def gateway_process(max_batch: int) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """`sparseguard gateway` on a free loopback port, configured as the latency runs are
+    (telemetry and drift sampling off) with `max_batch` running sequences."""
+    port = _free_port()
+    env = os.environ | {
+        "SPARSEGUARD_TELEMETRY__ENABLED": "false",
+        "SPARSEGUARD_ENGINE__DRIFT_SAMPLE_RATE": "0",
+        "SPARSEGUARD_ENGINE__MAX_BATCH": str(max_batch),
+        "SPARSEGUARD_GATEWAY__QUEUE_SIZE": str(max(max_batch, 16)),
+    }
+    command = [sys.executable, "-c", "import sys; from services.cli import main; sys.exit(main())"]
+    command += ["gateway", "--host", "127.0.0.1", "--port", str(port)]
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(process, f"{url}/healthz", "the gateway")
+        yield url, process
+    finally:
+        _stop(process)
+
+
+def peak_rss_of(pid: int) -> float:
+    """A live process's peak resident set (VmHWM), in MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def print_loads(loads: dict[str, Any]) -> None:

@@ -106,12 +106,13 @@ class BatchStep:
         prompt = torch.tensor([r.readout.prompt_len if r.readout else 0 for r in rows])
         end = int(pos.max()) + 1
         self.kv.readable([r.pos for r in rows], end)
+        at = _Positions.of(fast, pos, end, prompt if any(reading) else None)
         for i, layer in enumerate(fast.layers):
             lim = limits[:, i]
             h = fast._norm(x, layer.attn_norm)
             w = self.weights[i]
             qkv = _project(layer.qkv, w, h, lim, counts[:, i])
-            att = self._attend(i, qkv, pos, end, prompt, attention[:, i])
+            att = self._attend(i, qkv, at, attention[:, i])
             o = _project(layer.o, w, att, lim, counts[:, i])
             x = x + fast._norm(o, layer.post_attn_norm)
             h = fast._norm(x, layer.mlp_norm)
@@ -133,41 +134,65 @@ class BatchStep:
         return _linear(h, *self.head)
 
     def _attend(
-        self,
-        i: int,
-        qkv: torch.Tensor,
-        pos: torch.Tensor,
-        end: int,
-        prompt: torch.Tensor,
-        stats: torch.Tensor,
+        self, i: int, qkv: torch.Tensor, at: _Positions, stats: torch.Tensor
     ) -> torch.Tensor:
         """Each row's query over its own slot's positions 0 .. pos (or its window), padded to
-        the longest row; writes each head's attention share on the prompt and entropy."""
+        the longest row; writes each head's attention share on the prompt and entropy when a
+        row reads them."""
         fast, layer = self.fast, self.fast.layers[i]
         n, hd, kv = qkv.shape[0], fast.head_dim, fast.kv_heads
-        widths = [fast.heads * hd, kv * hd, kv * hd]
-        q, k, v = torch.split(qkv, widths, dim=-1)
-        cos = fast.cos[pos, layer.rope][:, None]
-        sin = fast.sin[pos, layer.rope][:, None]
+        q, k, v = torch.split(qkv, [fast.heads * hd, kv * hd, kv * hd], dim=-1)
+        cos, sin = at.rope[layer.rope]
         q = _rope(fast._norm(q.view(n, fast.heads, hd), layer.q_norm), cos, sin)
         k = _rope(fast._norm(k.view(n, kv, hd), layer.k_norm), cos, sin)
         keys, values = self.kv.keys[i, :n], self.kv.values[i, :n]
-        batch = torch.arange(n)
-        keys[batch, :, pos] = k
-        values[batch, :, pos] = v.view(n, kv, hd)
-        key = torch.arange(end)[None]
-        seen = key <= pos[:, None]
-        if layer.window:
-            seen &= key > pos[:, None] - layer.window
-        q = q.view(n, kv, fast.heads // kv, hd)
-        scores = (q @ keys[:, :, :end].transpose(-1, -2)) * fast.family.attn_scale
-        probs = scores.masked_fill(~seen[:, None, None], float("-inf")).softmax(-1)
-        out = probs @ values[:, :, :end]  # (B, kv, group, hd)
-        on_prompt = (probs * (key < prompt[:, None])[:, None, None]).sum(-1)
-        entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
-        stats[..., 0] = on_prompt.reshape(n, fast.heads)
-        stats[..., 1] = entropy.reshape(n, fast.heads)
+        keys[at.rows, :, at.pos] = k
+        values[at.rows, :, at.pos] = v.view(n, kv, hd)
+        q = q.view(n, kv, fast.heads // kv, hd) * fast.family.attn_scale
+        scores = q @ keys[:, :, : at.end].transpose(-1, -2)
+        probs = scores.masked_fill_(at.hidden(layer.window), float("-inf")).softmax(-1)
+        out = probs @ values[:, :, : at.end]  # (B, kv, group, hd)
+        if at.on_prompt is not None:
+            stats[..., 0] = (probs * at.on_prompt).sum(-1).reshape(n, fast.heads)
+            entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
+            stats[..., 1] = entropy.reshape(n, fast.heads)
         return out.reshape(n, fast.heads * hd)
+
+
+@dataclass(slots=True)
+class _Positions:
+    """What every layer of one batched step shares: the rows' positions, the rotary tables
+    there, the masks of the keys each row cannot see (per window size) and, when a row reads
+    the trust readout, of its prompt's keys."""
+
+    rows: torch.Tensor
+    pos: torch.Tensor
+    end: int
+    rope: list[tuple[torch.Tensor, torch.Tensor]]
+    on_prompt: torch.Tensor | None
+    _hidden: dict[int, torch.Tensor]
+
+    @classmethod
+    def of(
+        cls, fast: FastDecoder, pos: torch.Tensor, end: int, prompt: torch.Tensor | None
+    ) -> _Positions:
+        key = torch.arange(end)[None]
+        rope = [
+            (fast.cos[pos, t][:, None], fast.sin[pos, t][:, None]) for t in range(fast.cos.shape[1])
+        ]
+        on_prompt = (key < prompt[:, None])[:, None, None] if prompt is not None else None
+        return cls(torch.arange(len(pos)), pos, end, rope, on_prompt, {})
+
+    def hidden(self, window: int) -> torch.Tensor:
+        """(B, 1, 1, end) True where a row's query cannot see the key."""
+        mask = self._hidden.get(window)
+        if mask is None:
+            key = torch.arange(self.end)[None]
+            seen = key <= self.pos[:, None]
+            if window:
+                seen &= key > self.pos[:, None] - window
+            mask = self._hidden[window] = (~seen)[:, None, None]
+        return mask
 
 
 Linear = tuple[torch.Tensor, torch.Tensor | None]  # out-major weight, bias
