@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.nn import functional as F
 
 from sparse_engine.runtime.fast_weights import Matrix
 from sparse_engine.runtime.fastpath import ROLES, FastDecoder, _rope
@@ -82,11 +81,6 @@ class BatchStep:
         self.fast, self.kv = slots.fast, slots
         if self.fast.dtype != "float32":
             raise ValueError("the batched step multiplies float32 weights")
-        # The model's own out-major float32 weights (the fast path keeps input-major copies
-        # for its row-reading kernel); no third copy is made.
-        lm = self.fast.lm
-        self.weights = [{role: _weights(part.get(role)) for role in ROLES} for part in lm.layers]
-        self.head = _weights(lm.model.get_output_embeddings())
 
     @torch.inference_mode()
     def __call__(self, rows: list[Row]) -> torch.Tensor:
@@ -110,16 +104,15 @@ class BatchStep:
         for i, layer in enumerate(fast.layers):
             lim = limits[:, i]
             h = fast._norm(x, layer.attn_norm)
-            w = self.weights[i]
-            qkv = _project(layer.qkv, w, h, lim, counts[:, i])
+            qkv = _project(layer.qkv, h, lim, counts[:, i])
             att = self._attend(i, qkv, at, attention[:, i])
-            o = _project(layer.o, w, att, lim, counts[:, i])
+            o = _project(layer.o, att, lim, counts[:, i])
             x = x + fast._norm(o, layer.post_attn_norm)
             h = fast._norm(x, layer.mlp_norm)
-            gate, up = _project(layer.gate_up, w, h, lim, counts[:, i]).chunk(2, dim=-1)
+            gate, up = _project(layer.gate_up, h, lim, counts[:, i]).chunk(2, dim=-1)
             a = fast._activation(gate) * up
             channels[:, i] = a.abs()
-            down = _project(layer.down, w, a, lim, counts[:, i])
+            down = _project(layer.down, a, lim, counts[:, i])
             x = x + fast._norm(down, layer.post_mlp_norm)
             if hidden is not None:
                 hidden[:, i] = x
@@ -131,7 +124,7 @@ class BatchStep:
             if reading[b] and row.readout is not None and hidden is not None:
                 row.readout.observe_step(hidden[b], attention[b], row.pos)
         h = fast._norm(x, fast.norm)
-        return _linear(h, *self.head)
+        return fast.head.product(h)
 
     def _attend(
         self, i: int, qkv: torch.Tensor, at: _Positions, stats: torch.Tensor
@@ -195,61 +188,30 @@ class _Positions:
         return mask
 
 
-Linear = tuple[torch.Tensor, torch.Tensor | None]  # out-major weight, bias
-
-
-def _weights(module: torch.nn.Module) -> Linear:
-    weight: torch.Tensor = getattr(module, "weight").detach()  # noqa: B009 (Tensor | Module)
-    if weight.dtype != torch.float32:
-        raise ValueError("the batched step multiplies float32 weights")
-    bias = getattr(module, "bias", None)
-    return weight, None if bias is None else bias.detach()
-
-
 def _project(
-    m: Matrix,
-    weights: dict[str, Linear],
-    x: torch.Tensor,
-    limits: torch.Tensor,
-    counts: torch.Tensor,
+    m: Matrix, x: torch.Tensor, limits: torch.Tensor, counts: torch.Tensor
 ) -> torch.Tensor:
-    """x (B, in) through the fused matrix's parts (their out-major weights), each part at each
-    row's threshold for its role (limits (B, roles), negative: dense); counts (B, 4) gathers
-    each row's signals as the hooks count them (zeroed, total, kept-magnitude share, tokens;
-    once per part)."""
-    roles = [role for role, _, _ in m.parts]
-    per_part = limits[:, [ROLES.index(role) for role in roles]]  # (B, parts)
+    """x (B, in) through the fused matrix, each part at each row's threshold for its role
+    (limits (B, roles), negative: dense); counts (B, 4) gathers each row's signals as the hooks
+    count them (zeroed, total, kept-magnitude share, tokens; once per part)."""
+    per_part = limits[:, [ROLES.index(role) for role, _, _ in m.parts]]  # (B, parts)
     if bool((per_part == per_part[:, :1]).all()):
-        groups = [(per_part[:, 0], roles)]
+        groups = [(per_part[:, 0], 0, m.parts[-1][2], len(m.parts))]
     else:
-        groups = [(per_part[:, j], [role]) for j, role in enumerate(roles)]
-    outputs: list[torch.Tensor] = []
-    for limit, group in groups:
+        groups = [(per_part[:, j], b, e, 1) for j, (_, b, e) in enumerate(m.parts)]
+    outputs = []
+    for limit, begin, end, parts in groups:
         sparse = limit >= 0
-        if bool(sparse.any()):
-            magnitude = x.abs()
-            kept = magnitude > limit[:, None]
-            share = signals.kept_magnitude_share(magnitude, kept).double()
-            on = sparse.double() * len(group)
-            counts[:, 0] += on * (x.shape[-1] - kept.sum(-1).double())
-            counts[:, 1] += on * x.shape[-1]
-            counts[:, 2] += on * share
-            counts[:, 3] += on
-            x_in = x * kept
-        else:
-            x_in = x
-        outputs.extend(_linear(x_in, *weights[role]) for role in group)
+        if not bool(sparse.any()):
+            outputs.append(m.product(x, begin, end))
+            continue
+        magnitude = x.abs()
+        kept = magnitude > limit[:, None]
+        share = signals.kept_magnitude_share(magnitude, kept).double()
+        on = sparse.double() * parts
+        counts[:, 0] += on * (x.shape[-1] - kept.sum(-1).double())
+        counts[:, 1] += on * x.shape[-1]
+        counts[:, 2] += on * share
+        counts[:, 3] += on
+        outputs.append(m.product(x * kept, begin, end))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T + bias through oneDNN where PyTorch has it: on this 2-core AMD machine
-    2-3x faster than the default BLAS for 4-32 rows (`sparseguard bench batch-step`)."""
-    if _ONEDNN and x.device.type == "cpu":
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # type: ignore[no-any-return]
-    return F.linear(x, weight, bias)
-
-
-_ONEDNN = bool(torch.backends.mkldnn.is_available()) and hasattr(  # type: ignore[no-untyped-call]
-    torch.ops.mkldnn, "_linear_pointwise"
-)

@@ -17,6 +17,9 @@ import torch
 from sparse_engine.model.arch import UnsupportedModelError
 from sparse_engine.model.loader import LoadedModel
 
+ONEDNN = bool(torch.backends.mkldnn.is_available()) and hasattr(  # type: ignore[no-untyped-call]
+    torch.ops.mkldnn, "_linear_pointwise"
+)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 LLAMA_LIKE = ("llama", "mistral", "qwen2")
@@ -59,6 +62,19 @@ class Matrix:
     @property
     def nbytes(self) -> int:
         return self.rows.numel() * self.rows.element_size()
+
+    def product(self, x: torch.Tensor, begin: int = 0, end: int | None = None) -> torch.Tensor:
+        """x (n, in) through columns begin:end, with their bias: several rows at once (a
+        prefill, a batched step). float32 goes through oneDNN where PyTorch has it, which
+        multiplied 2-3x faster than PyTorch's default BLAS on this machine's AMD processor
+        for 4 to 200 rows (`sparseguard bench batch-step`); the row view is read as is."""
+        end = self.rows.shape[1] if end is None else end
+        bias = self.bias[begin:end] if self.bias is not None else None
+        if self.rows.dtype == torch.float32 and ONEDNN and x.device.type == "cpu":
+            w = self.rows[:, begin:end].t()
+            return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")  # type: ignore[no-any-return]
+        y = x @ self.float_rows()[:, begin:end]
+        return y if bias is None else y + bias
 
     def float_rows(self) -> torch.Tensor:
         rows = self.rows.float()

@@ -299,16 +299,14 @@ class FastDecoder:
         counts: LayerCounts | None,
     ) -> torch.Tensor:
         """A prefill: the masked dense product, as the hooks compute it."""
-        rows = m.float_rows()
         outputs = []
         for limit, begin, end, parts in groups:
-            bias = m.bias[begin:end] if m.bias is not None else 0.0
             if limit is None:
-                outputs.append(x @ rows[:, begin:end] + bias)
+                outputs.append(m.product(x, begin, end))
                 continue
             magnitude = x.abs()
             kept = magnitude > limit
-            outputs.append((x * kept) @ rows[:, begin:end] + bias)
+            outputs.append(m.product(x * kept, begin, end))
             if counts is not None:
                 share = float(signals.kept_magnitude_share(magnitude, kept).sum())
                 for _ in range(parts):
