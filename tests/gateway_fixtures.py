@@ -39,6 +39,7 @@ class GatedEngine(Engine):
 
     def __init__(self, inner: Engine, token_delay_s: float = 0.0, open_gate: bool = False) -> None:
         super().__init__(inner.lm, inner.plans, inner.prefix_cache)
+        self.fast, self.fast_prefixes = inner.fast, inner.fast_prefixes
         self.gate = threading.Event()
         self.token_delay_s = token_delay_s
         self.finished: list[GenerationStats] = []

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from services.gateway.engine_thread import EngineWorker
+from sparse_engine.runtime import kernels
 from tests.gateway_fixtures import GatedEngine, RecordingSink, running_gateway, settings_for
 from tests.polling import wait_until
 from tests.tiny import tiny_engine
@@ -93,3 +94,31 @@ def test_calls_run_on_the_engine_thread_in_turn() -> None:
             failing.result(timeout=10)
     finally:
         worker.close()
+
+
+def test_concurrent_requests_share_decode_steps(tmp_path: Path) -> None:
+    """Requests in flight together join one batch: each one's telemetry and the batch-size
+    histogram say so, and each answer is the one it gets alone (greedy)."""
+    inner = tiny_engine()
+    inner.enable_fast_path("float32", kernels.load(), max_len=512)
+    engine = GatedEngine(inner)
+    sink = RecordingSink()
+    body = {"messages": [{"role": "user", "content": "go on"}], "max_tokens": 40, "temperature": 0}
+    with (
+        running_gateway(settings_for(tmp_path, max_tokens_limit=64), engine, sink) as url,
+        concurrent.futures.ThreadPoolExecutor(3) as pool,
+    ):
+        post = f"{url}/v1/chat/completions"
+        held = [pool.submit(httpx.post, post, json=body, timeout=60) for _ in range(3)]
+        wait_until(lambda: engine.entered == 1 and queue_depth(url) == 2)
+        engine.gate.set()
+        answers = [f.result() for f in held]
+        alone = httpx.post(post, json=body, timeout=60)
+        metrics = httpx.get(f"{url}/metrics").text
+    assert all(a.status_code == 200 for a in answers)
+    texts = {a.json()["choices"][0]["message"]["content"] for a in answers}
+    assert texts == {alone.json()["choices"][0]["message"]["content"]}
+    batched = [sink.by_trace(a.headers["x-ir-trace-id"]).batch_size for a in answers]
+    assert all(size is not None and size > 1 for size in batched), batched
+    assert sink.by_trace(alone.headers["x-ir-trace-id"]).batch_size == 1.0
+    assert "sparseguard_engine_batch_size_count 4.0" in metrics
