@@ -287,3 +287,25 @@ def test_probes_batched_match_each_probe_alone(family: str, scheduler: Scheduler
         assert got.token_ids == want.token_ids and got.text == want.text
         _same(want, got)
         assert got.semantic_drift_kl == pytest.approx(want.semantic_drift_kl, abs=1e-6)
+
+
+def test_a_shared_prefix_is_reused_under_the_same_plan_only(scheduler: Scheduler) -> None:
+    """Prefix reuse works through the scheduler as alone: a later request with the same system
+    prompt reuses its KV at the same level (with the tokens of an uncached prefill), and not
+    at another level (a mismatch)."""
+    engine = tiny_engine(cache=True)
+    engine.enable_fast_path("float32", kernels.load(), max_len=256)
+    system = {"role": "system", "content": "You are terse. " * 6}
+
+    def ask(text: str, **extra: Any) -> GenerationRequest:
+        messages = [system, {"role": "user", "content": text}]
+        return GenerationRequest(messages=messages, max_new_tokens=5, ignore_eos=True, **extra)
+
+    cold = engine.generate(ask("hello", use_prefix_cache=False), Level.BALANCED).result()
+    first, *_ = _together(scheduler, engine, [(ask("a question"), Level.BALANCED)])
+    warm, other = _together(
+        scheduler, engine, [(ask("hello"), Level.BALANCED), (ask("hello"), Level.AGGRESSIVE)]
+    )
+    assert first.result().cached_tokens == 0
+    assert warm.result().cached_tokens > 0 and warm.result().token_ids == cold.token_ids
+    assert other.result().cached_tokens == 0 and other.result().cache_mismatch
