@@ -449,7 +449,10 @@ class Layers {
 
 }  // namespace
 
+// The products run without the interpreter lock (they touch no Python object), so the
+// gateway's event loop keeps serving while the engine thread decodes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using unlocked = pybind11::call_guard<pybind11::gil_scoped_release>;
   pybind11::class_<Matrix>(m, "Matrix")
       .def(pybind11::init<torch::Tensor, c10::optional<torch::Tensor>,
                           c10::optional<torch::Tensor>>(),
@@ -458,8 +461,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Layers>(m, "Layers")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, bool>())
       .def("add", &Layers::add)
-      .def("step", &Layers::step);
-  m.def("rows_matvec", &rows_matvec, "y = sum of x_i * w[i] over |x_i| > threshold",
+      .def("step", &Layers::step, unlocked());
+  m.def("rows_matvec", &rows_matvec, "y = sum of x_i * w[i] over |x_i| > threshold", unlocked(),
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scale"),
         pybind11::arg("threshold"), pybind11::arg("begin") = 0, pybind11::arg("end") = -1);
 }
