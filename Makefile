@@ -51,6 +51,7 @@ bench: $(STAMP)
 	$(SG) bench engine
 	$(SG) bench quality --data wiki --tokens 8192
 	$(SG) bench gateway
+	$(SG) bench batch-step
 	$(SG) bench pipeline
 	$(SG) bench speed
 
