@@ -185,7 +185,9 @@ def test_a_full_waiting_queue_is_refused(scheduler: Scheduler) -> None:
     with pytest.raises(QueueFullError):
         scheduler.submit(_request(0), Level.BALANCED, Collect())
     with pytest.raises(QueueFullError):
-        scheduler.call(lambda: None, admit=True)
+        scheduler.probe(
+            Probe([{"role": "user", "content": "hi"}], [5], False), Level.BALANCED, Collect()
+        )
     gate.set()
     assert all(sink.result().completion_tokens == 6 for sink in sinks)
     assert scheduler.depth == 0

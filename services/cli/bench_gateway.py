@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from services.cli.bench_load import kv_budget_mb, peak_rss_mb, print_loads, run_loads
+from services.cli.bench_load import kv_budget_mb, peak_rss_mb, percentile, print_loads, run_loads
 from services.cli.common import emit, emit_json
 from services.config import Settings, TelemetrySettings
 from services.gateway.app import create_app
@@ -188,6 +188,4 @@ def _post(client: httpx.Client, url: str, body: dict[str, Any]) -> tuple[int, fl
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
-    ordered = sorted(values)
-    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
-    return {"p50": round(statistics.median(ordered), 1), "p99": round(p99, 1)}
+    return {"p50": round(percentile(values, 0.5), 1), "p99": round(percentile(values, 0.99), 1)}

@@ -14,7 +14,6 @@ import logging
 import os
 import resource
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,7 @@ import httpx
 from services.cli.common import emit
 from services.config import Settings
 from services.gateway.runtime import Runtime
+from services.shared.serving import free_port
 from sparse_engine.data.traffic import healthy
 from sparse_engine.model.catalog import gguf_file
 from sparse_engine.runtime.generation import GenerationRequest, GenerationStats
@@ -202,7 +202,7 @@ def llama_server_binary() -> Path | None:
 @contextmanager
 def llama_server(binary: Path, gguf: Path, slots: int, context: int) -> Iterator[str]:
     """llama.cpp's server on loopback: `slots` parallel sequences sharing `context` tokens."""
-    port = _free_port()
+    port = free_port()
     command = [
         str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
         "-np", str(slots), "-c", str(context), "-t", str(os.cpu_count() or 1), "--no-webui",
@@ -236,12 +236,6 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
         process.wait(10)
     except subprocess.TimeoutExpired:
         process.kill()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_loads(
@@ -305,7 +299,7 @@ def run_loads(
 def gateway_process(max_batch: int) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """`sparseguard gateway` on a free loopback port, configured as the latency runs are
     (telemetry and drift sampling off) with `max_batch` running sequences."""
-    port = _free_port()
+    port = free_port()
     env = os.environ | {
         "SPARSEGUARD_TELEMETRY__ENABLED": "false",
         "SPARSEGUARD_ENGINE__DRIFT_SAMPLE_RATE": "0",

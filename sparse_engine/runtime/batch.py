@@ -59,10 +59,6 @@ class KVSlots:
                 self.values[:, slot, :, start:end] = 0
             self.clean[slot] = max(self.clean[slot], end)
 
-    @property
-    def slots(self) -> int:
-        return int(self.keys.shape[1])
-
     def bind(self, slot: int, length: int) -> FastDecoder:
         """The fast decoder, running on `slot` whose first `length` positions are filled."""
         self.fast.bind(self.keys[:, slot], self.values[:, slot], length)

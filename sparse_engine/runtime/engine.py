@@ -39,8 +39,9 @@ log = logging.getLogger(__name__)
 
 class Engine:
     """One model, its level plans, and generation. Hooks live only for the duration of a
-    forward pass, so the model is dense whenever no request is running. Not thread-safe: run
-    one request at a time per engine; only `install` may be called from another thread."""
+    forward pass, so the model is dense whenever no request is running. Not thread-safe: one
+    thread drives it (`generate` for one request, `runtime.scheduler` for many at once); only
+    `install` may be called from another thread."""
 
     def __init__(
         self,

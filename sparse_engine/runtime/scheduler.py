@@ -144,19 +144,10 @@ class Scheduler:
                 raise QueueFullError
             self._pending += 1
 
-    def call(self, fn: Callable[[], T], admit: bool = False) -> concurrent.futures.Future[T]:
-        """Run `fn` on the scheduler's thread between two steps; `admit` counts it as a
-        waiting request (QueueFullError past the limit)."""
+    def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run `fn` on the scheduler's thread between two steps."""
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        if admit:
-            self._reserve()
-
-        def run() -> T:
-            if admit:
-                self._admitted()
-            return fn()
-
-        self._inbox.put(_Call(run, future))
+        self._inbox.put(_Call(fn, future))
         return future
 
     def close(self, timeout: float = 5.0) -> None:
@@ -297,12 +288,11 @@ class Scheduler:
                 decoder = self._slots.bind(slot, seq.length)
                 out.append(decoder.step(seq.token, seq.plan, seq.recorder, seq.readout))
             return out
-        rows = [
-            Row(slot, live.seq.length, live.seq.token, live.limits, live.seq.recorder,
-                live.seq.readout)
-            for slot, live in enumerate(fast)
-            if live.limits is not None
-        ]  # fmt: skip
+        rows = []
+        for slot, live in enumerate(fast):
+            seq, limits = live.seq, live.limits
+            assert limits is not None, "fast-path sequences carry their threshold table"
+            rows.append(Row(slot, seq.length, seq.token, limits, seq.recorder, seq.readout))
         return list(self._batched(rows))
 
     def _accept(self, live: _Live, logits: torch.Tensor, batch: int) -> None:

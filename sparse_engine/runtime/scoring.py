@@ -105,13 +105,14 @@ def score_many(
     drifts = dict(
         zip([i for i, _ in wanted], engine.semantic_drift_many([x for _, x in wanted]), strict=True)
     )
+    rate = sum(lengths) / max(elapsed, 1e-9)
     out = []
     for i, probe in enumerate(probes):
-        drift = drifts.get(i, 0.0) if probe.measure_drift else None
-        reading = readers[i] if readout else None
-        out.append(_stats(engine, plan, probe, prompts[i], answers[i], recorders[i], reading))
-        out[-1].semantic_drift_kl = drift
-        out[-1].prefill_tokens_per_s = sum(lengths) / max(elapsed, 1e-9)
+        stats = _stats(engine, plan, probe, prompts[i], answers[i], recorders[i])
+        stats.readout = readers[i].result() if readout else None
+        stats.semantic_drift_kl = drifts.get(i, 0.0) if probe.measure_drift else None
+        stats.prefill_tokens_per_s = rate
+        out.append(stats)
     return out
 
 
@@ -155,8 +156,8 @@ def _stats(
     prompt_ids: list[int],
     answer_logits: torch.Tensor,  # at the positions that predict each answer token
     recorder: SignalRecorder,
-    reader: Readout | None,
 ) -> GenerationStats:
+    """The statistics a probe's pass gives (readout, drift and speed are set by the caller)."""
     answer_ids = probe.answer_ids
     summary = recorder.summary()
     answer_steps = recorder.position_sparsity()[len(prompt_ids) :]
@@ -183,5 +184,4 @@ def _stats(
         token_ids=answer_ids,
         token_logprobs=chosen.tolist(),
         token_entropies=signals.entropy_nats(predicted).tolist(),
-        readout=reader.result() if reader is not None else None,
     )
