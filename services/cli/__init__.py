@@ -18,6 +18,7 @@ from services.cli import (
     db,
     demo,
     eval_alerts,
+    gates,
     gateway,
     golden,
     jobs,
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         temperature_study,
         kb,
         kernels,
+        gates,
     ):
         module.register(commands)
     return parser

@@ -18,6 +18,7 @@ from sparse_engine.calibration.baseline import LevelBaseline
 from sparse_engine.calibration.pipeline import CalibrationConfig, calibrate, prepare_data
 from sparse_engine.calibration.store import Calibration
 from sparse_engine.data import corpora
+from sparse_engine.model.loader import LoadedModel
 from sparse_engine.sparsity.plan import SPARSE_LEVELS, Level
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,8 @@ def register(commands: Any) -> None:
     cal.add_argument("--samples", type=int, help="calibration samples (default: settings)")
     cal.add_argument("--heldout-tokens", type=int, help="held-out tokens for perplexity")
     cal.add_argument("--level", action="append", help="level to calibrate (repeatable, or 'all')")
-    cal.add_argument("--sparsifier", choices=["threshold", "topk"], default="threshold")
+    cal.add_argument("--sparsifier", choices=["threshold", "topk", "gates"], default="threshold")
+    cal.add_argument("--gates", help="gate artefact (.safetensors) for --sparsifier gates")
     cal.add_argument("--roles", default="down", help="projections to sparsify, e.g. down,o,q,k,v")
     cal.add_argument("--if-missing", action="store_true", help="skip levels already calibrated")
     cal.add_argument(
@@ -58,6 +60,8 @@ def register(commands: Any) -> None:
 
 
 def run_calibrate(args: argparse.Namespace, settings: Settings) -> int:
+    if (args.gates is None) != (args.sparsifier != "gates"):
+        raise ValueError("--gates FILE goes with --sparsifier gates, and only with it")
     levels = parse_levels(args.level or [settings.engine.default_level])
     lm = load_served_model(settings, args.model)
     if args.if_missing:
@@ -72,21 +76,29 @@ def run_calibrate(args: argparse.Namespace, settings: Settings) -> int:
         heldout_tokens=args.heldout_tokens or settings.engine.heldout_tokens,
         sparsifier=args.sparsifier,
         roles=tuple(r.strip() for r in args.roles.split(",") if r.strip()),
+        gates_path=args.gates,
     )
     name = args.data or settings.engine.calibration_corpus
     data = prepare_data(lm.tokenizer, corpora.load_texts(name, settings.cache_home), cfg, name)
     total = sum(b.numel() for b in data.batches)
     with tqdm(total=total, unit="tok", desc="collecting activation statistics") as bar:
         results = calibrate(lm, data, levels, cfg, progress=bar.update)
+    keep(settings, lm, results, with_baseline=not args.no_baseline)
+    return 0
+
+
+def keep(
+    settings: Settings, lm: LoadedModel, results: list[Calibration], with_baseline: bool
+) -> None:
+    """Save new calibrations, measure their healthy baselines, register them in SQL."""
     for cal in results:
         store(settings).save(cal)
-    if not args.no_baseline:
+    if with_baseline:
         baseline.attach(settings, lm, results)
     for cal in results:
         store(settings).save(cal)
         record_calibration(settings, cal, reason="cli")
         emit(describe(cal))
-    return 0
 
 
 def run_baseline(args: argparse.Namespace, settings: Settings) -> int:

@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from sparse_engine.data.splits import CorpusTooSmallError, calibration_split
 from sparse_engine.evaluation.perplexity import PerplexityResult, perplexity
 from sparse_engine.model.chat import bos_prefix
 from sparse_engine.model.loader import LoadedModel
+from sparse_engine.sparsity.gates import file_sha256, load_gates, logit_sample, offset_for
 from sparse_engine.sparsity.plan import DEFAULT_BUDGETS_PCT, Level, SparsityPlan
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,7 @@ class CalibrationConfig:
     max_rows: int = 256
     sensitivity_tokens: int = 256
     confidence_z: float = 1.0  # standard errors of margin under each level's budget
+    gates_path: str | None = None  # the gate artefact of the "gates" sparsifier
 
 
 @dataclass(slots=True)
@@ -173,6 +176,7 @@ def calibrate(
             allocation=search.name,
             thresholds={role: list(v) for role, v in plan.thresholds.items()},
             topk=list(plan.topk) if plan.topk is not None else None,
+            gates=_gate_record(plan, cfg),
             silence_thresholds=list(silence),
             target_sparsity=target,
             realised_sparsity=result.sparsity,
@@ -208,8 +212,10 @@ def _plan_builders(
                 silence_thresholds=silence,
             )
         }
+    if cfg.sparsifier == "gates":
+        return {"learned": _gate_builder(lm, cfg, silence, data)}
     if cfg.sparsifier != "threshold":
-        raise ValueError(f"unknown sparsifier '{cfg.sparsifier}'; choose threshold or topk")
+        raise ValueError(f"unknown sparsifier '{cfg.sparsifier}'; choose threshold, topk or gates")
     curves = error_curves(stats, lm.layers, cfg.roles)
     batch = torch.cat([b[0] for b in data.batches])[: cfg.sensitivity_tokens].unsqueeze(0)
     sensitivity = unit_sensitivity(lm.model, lm.layers, stats, batch, sorted(curves))
@@ -225,6 +231,40 @@ def _plan_builders(
         )
 
     return {"uniform": uniform, "greedy": greedy}
+
+
+def _gate_builder(
+    lm: LoadedModel, cfg: CalibrationConfig, silence: tuple[float, ...], data: CalibrationData
+) -> Callable[[float], SparsityPlan]:
+    """Plans of one learned gate set at a sparsity target each: the logit offset at which that
+    share of the gate logits (sampled on calibration text) falls under the threshold."""
+    if cfg.gates_path is None:
+        raise ValueError(
+            "the gates sparsifier needs a gate artefact: pass --gates FILE "
+            "(written by `sparseguard train-gates`)"
+        )
+    gates = load_gates(cfg.gates_path)
+    if gates.num_layers != lm.num_layers:
+        raise ValueError(f"{cfg.gates_path} gates {gates.num_layers} layers, not {lm.num_layers}")
+    ids = torch.cat([b[0] for b in data.batches])[: 4 * cfg.sensitivity_tokens].unsqueeze(0)
+    logits = logit_sample(lm.layers, gates, lambda: lm.model(input_ids=ids))
+
+    def learned(target: float) -> SparsityPlan:
+        offset = offset_for(logits, target)
+        return SparsityPlan(gates=gates, gate_offset=offset, silence_thresholds=silence)
+
+    return learned
+
+
+def _gate_record(plan: SparsityPlan, cfg: CalibrationConfig) -> dict[str, Any] | None:
+    if plan.gates is None or cfg.gates_path is None:
+        return None
+    return {
+        "path": str(Path(cfg.gates_path).resolve()),
+        "sha256": file_sha256(Path(cfg.gates_path)),
+        "version": plan.gates.version,
+        "offset": plan.gate_offset,
+    }
 
 
 def _data_record(

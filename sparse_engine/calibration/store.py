@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from sparse_engine.jsonstore import JsonStore, stamped_version
+from sparse_engine.sparsity.gates import load_gates
 from sparse_engine.sparsity.plan import SPARSE_LEVELS, Level, SparsityPlan
 from sparse_engine.sparsity.plan import CalibrationNotFoundError as CalibrationNotFoundError
 
@@ -36,6 +37,9 @@ class Calibration:
     # baseline pass, and in artefacts made before baselines existed.
     baseline: dict[str, Any] | None = None
     dense_baseline: dict[str, Any] | None = None
+    # A learned-gate plan (sparsifier "gates"): the artefact's path, pinned sha256, version
+    # and the logit offset this level runs at.
+    gates: dict[str, Any] | None = None
     created_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
     version: str = ""
 
@@ -44,12 +48,15 @@ class Calibration:
         return 100.0 * (self.perplexity_sparse / self.perplexity_dense - 1.0)
 
     def plan(self) -> SparsityPlan:
+        gates = self.gates or {}
         return SparsityPlan(
             level=Level.parse(self.level),
             thresholds={role: tuple(v) for role, v in self.thresholds.items()},
             topk=tuple(self.topk) if self.topk is not None else None,
             silence_thresholds=tuple(self.silence_thresholds),
             calibration_version=self.version,
+            gates=load_gates(gates["path"], gates["sha256"]) if gates else None,
+            gate_offset=float(gates.get("offset", 0.0)),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -64,7 +71,7 @@ class Calibration:
 def new_version(cal: Calibration) -> str:
     """`<model>-<level>-<UTC time>-<content hash>`: sortable by time, unique by content."""
     slug = re.sub(r"[^a-z0-9]+", "-", cal.model_id.lower()).strip("-")
-    content = [cal.thresholds, cal.topk, cal.weights_sha256]
+    content = [cal.thresholds, cal.topk, cal.weights_sha256, cal.gates]
     return stamped_version(f"{slug}-{cal.level}", cal.created_at, content)
 
 

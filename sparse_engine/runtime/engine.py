@@ -59,6 +59,8 @@ class Engine:
         self.fast: FastDecoder | None = None
         # The fast path's own prefixes (its KV is laid out apart from the Hugging Face cache).
         self.fast_prefixes: PrefixCache[FastKVState] | None = None
+        for plan in plans.values():
+            _say_path(plan)
 
     def enable_fast_path(
         self, dtype: str = "float32", native: Any = None, max_len: int = 2048
@@ -98,6 +100,7 @@ class Engine:
         if plan.level is Level.DENSE:
             raise ValueError("the dense level has no calibration to install")
         self._check_fits(plan)
+        _say_path(plan)
         plans = {**self.plans, plan.level: plan}
         if plans[Level.DENSE].silence_thresholds is None:
             plans[Level.DENSE] = plan.as_dense()
@@ -113,6 +116,8 @@ class Engine:
     def _check_fits(self, plan: SparsityPlan) -> None:
         per_layer = [*plan.thresholds.values(), plan.topk, plan.silence_thresholds]
         lengths = {len(values) for values in per_layer if values is not None}
+        if plan.gates is not None:
+            lengths.add(plan.gates.num_layers)
         if lengths - {self.lm.num_layers}:
             raise ValueError(
                 f"plan {plan.calibration_version} has per-layer settings for "
@@ -339,3 +344,13 @@ class Engine:
 
 def _plain(messages: list[Message]) -> str:
     return "\n".join(m["content"] for m in messages)
+
+
+def _say_path(plan: SparsityPlan) -> None:
+    if plan.gates is not None:
+        log.info(
+            "level %s serves learned gates %s on the reference path (the fast path runs "
+            "threshold plans)",
+            plan.level.value,
+            plan.gates.version,
+        )

@@ -141,7 +141,10 @@ class FastDecoder:
     def supports(self, plan: SparsityPlan, tokens: int) -> bool:
         """Whether this path can run `plan` over a sequence of `tokens`."""
         return (
-            not set(plan.thresholds) - set(ROLES) and plan.topk is None and tokens <= self.max_len
+            not set(plan.thresholds) - set(ROLES)
+            and plan.topk is None
+            and plan.gates is None
+            and tokens <= self.max_len
         )
 
     def prefill(
@@ -202,10 +205,10 @@ class FastDecoder:
 
     @staticmethod
     def _check(plan: SparsityPlan) -> None:
-        if set(plan.thresholds) - set(ROLES) or plan.topk is not None:
+        if set(plan.thresholds) - set(ROLES) or plan.topk is not None or plan.gates is not None:
             raise ValueError(
                 f"the fast path runs threshold plans on {', '.join(ROLES)}; the reference "
-                "path serves Top-K and other roles"
+                "path serves Top-K, learned gates and other roles"
             )
 
     @torch.inference_mode()

@@ -1,7 +1,8 @@
 """Sparsity as removable hooks: forward pre-hooks zero small inputs of linear projections
-(threshold sparsifier), forward hooks keep the Top-K dims of attention/MLP block outputs
-before the residual add. Leaving `sparsified(...)` removes every hook. `read_out(...)` reads
-the trust readout (`sparsity.readout`) off the same passes the same way."""
+(threshold sparsifier) or the MLP channels whose learned gate is closed (`sparsity.gates`),
+forward hooks keep the Top-K dims of attention/MLP block outputs before the residual add.
+Leaving `sparsified(...)` removes every hook. `read_out(...)` reads the trust readout
+(`sparsity.readout`) off the same passes the same way."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from sparse_engine.model.arch import LayerParts
+from sparse_engine.sparsity import gates
 from sparse_engine.sparsity.plan import SparsityPlan
 from sparse_engine.sparsity.readout import Readout
 from sparse_engine.sparsity.recorder import SignalRecorder
@@ -41,7 +43,9 @@ def _attach(
     for role, per_layer in plan.thresholds.items():
         hook = _threshold_hook(part.index, per_layer[part.index], recorder, role == "down")
         handles.append(part.get(role).register_forward_pre_hook(hook))
-    if recorder is not None and "down" not in plan.thresholds:
+    if plan.gates is not None:
+        handles.extend(gates.attach(part, plan.gates, plan.gate_offset, recorder))
+    elif recorder is not None and "down" not in plan.thresholds:
         hook = _channel_hook(part.index, recorder)
         handles.append(part.get("down").register_forward_pre_hook(hook))
     if plan.topk is not None:

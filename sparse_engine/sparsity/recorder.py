@@ -101,14 +101,23 @@ class SignalRecorder:
         if numel:
             self.step_sparsity.append(zeros / numel)
 
-    def observe_sparsified(self, layer: int, magnitude: torch.Tensor, kept: torch.Tensor) -> None:
-        """Record one sparsified tensor: `magnitude` is |input|, `kept` the boolean keep mask."""
+    def observe_sparsified(
+        self,
+        layer: int,
+        magnitude: torch.Tensor,
+        kept: torch.Tensor,
+        share: torch.Tensor | None = None,
+    ) -> None:
+        """Record one sparsified tensor: `magnitude` is |input|, `kept` the boolean keep mask,
+        `share` each token's gate confidence where the sparsifier defines its own (learned
+        gates); by default the kept share of |activation|."""
         self.numel[layer] += magnitude.numel()
         self.zeros[layer] += magnitude.numel() - kept.sum()
         if self.token_zeros is not None:
             self.token_zeros += (~kept).reshape(-1, kept.shape[-1]).sum(-1)
             self.token_width += kept.shape[-1]
-        share = signals.kept_magnitude_share(magnitude, kept)
+        if share is None:
+            share = signals.kept_magnitude_share(magnitude, kept)
         self.kept_share_sum[layer] += share.sum()
         self.kept_share_tokens[layer] += share.numel()
 
@@ -227,9 +236,17 @@ class RowRecorders(SignalRecorder):
         for recorder in self.rows:
             recorder.end_step()
 
-    def observe_sparsified(self, layer: int, magnitude: torch.Tensor, kept: torch.Tensor) -> None:
-        for recorder, n, m, k in zip(self.rows, self.lengths, magnitude, kept, strict=True):
-            recorder.observe_sparsified(layer, m[:n], k[:n])
+    def observe_sparsified(
+        self,
+        layer: int,
+        magnitude: torch.Tensor,
+        kept: torch.Tensor,
+        share: torch.Tensor | None = None,
+    ) -> None:
+        shares = share if share is not None else [None] * len(self.rows)
+        rows = zip(self.rows, self.lengths, magnitude, kept, shares, strict=True)
+        for recorder, n, m, k, s in rows:
+            recorder.observe_sparsified(layer, m[:n], k[:n], None if s is None else s[:n])
 
     def observe_channels(self, layer: int, magnitude: torch.Tensor) -> None:
         for recorder, n, m in zip(self.rows, self.lengths, magnitude, strict=True):
