@@ -1,0 +1,3 @@
+"""Training-time code: learned gates on a frozen model (`train_gates`), a small fine-tuning loop
+(`finetune`) and the aids it offers (`aids`): L1 gradient re-weighting, a head-agreement KL
+term and online silence re-calibration."""
