@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.cli import main
 from sparse_engine.calibration.pipeline import CalibrationConfig, calibrate, prepare_data
 from sparse_engine.calibration.store import CalibrationStore
 from sparse_engine.evaluation.perplexity import perplexity
@@ -114,7 +115,9 @@ def test_the_artefact_round_trips_and_is_pinned(tmp_path: Path) -> None:
     digest = gates.save(path, {"model_id": lm.model_id})
     loaded = load_gates(str(path), digest)
     assert loaded.version == "tiny-gates-1" and loaded.rank == 8
-    assert all(torch.equal(a, b) for a, b in zip(gates.parameters(), loaded.parameters()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(gates.parameters(), loaded.parameters(), strict=True)
+    )
     assert '"sha256"' in path.with_suffix(".json").read_text()
     with pytest.raises(ValueError, match="pinned sha256"):
         load_gates(str(path), "0" * 64)
@@ -189,3 +192,18 @@ def test_batched_probes_under_gates_match_each_alone() -> None:
         assert want.signals is not None and got.signals is not None
         assert got.signals.sparsity_ratio == pytest.approx(want.signals.sparsity_ratio, abs=1e-6)
         assert got.signals.gate_confidence == pytest.approx(want.signals.gate_confidence, abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--steps", "0"], "--steps"),
+        (["--target-sparsity", "1.5"], "--target-sparsity"),
+        (["--level", "dense"], "dense level"),
+    ],
+)
+def test_train_gates_names_the_fix_for_bad_options(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["train-gates", *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -18,6 +18,7 @@ from services.cli import (
     db,
     demo,
     eval_alerts,
+    finetune,
     gates,
     gateway,
     golden,
@@ -25,6 +26,7 @@ from services.cli import (
     kb,
     kernels,
     probe,
+    quant_study,
     retrieval_study,
     silence,
     temperature_study,
@@ -66,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
         kb,
         kernels,
         gates,
+        finetune,
+        quant_study,
     ):
         module.register(commands)
     return parser

@@ -27,10 +27,10 @@ class GateTraining:
     batch: int = 4
     seq_len: int = 128
     rank: int = DEFAULT_RANK
-    lr: float = 1e-3  # the low-rank weights'; the biases learn at 20x this
+    lr: float = 1e-3  # the low-rank weights'; the biases learn at 10x this
     target: float = 0.6  # the channel sparsity the hinge pushes toward
     ramp: float = 0.5  # share of the steps over which the target rises from 0
-    penalty: float = 5.0  # weight of the hinge
+    penalty: float = 2.0  # weight of the hinge
     eval_every: int = 50
     seed: int = 0
 
@@ -89,7 +89,7 @@ def train_gates(
     optimiser = torch.optim.Adam(
         [
             {"params": [*gates.down, *gates.up], "lr": cfg.lr},
-            {"params": list(gates.bias), "lr": 20 * cfg.lr},
+            {"params": list(gates.bias), "lr": 10 * cfg.lr},
         ]
     )
     dense = perplexity(lm.model, lm.layers, heldout, SparsityPlan(), prefix=prefix).perplexity
