@@ -207,3 +207,8 @@ def test_train_gates_names_the_fix_for_bad_options(
 ) -> None:
     assert main(["train-gates", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_calibrate_asks_for_the_gate_artefact(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["calibrate", "--sparsifier", "gates"]) == 2
+    assert "--gates FILE" in capsys.readouterr().err
