@@ -27,6 +27,7 @@ from sparse_engine.evaluation.perplexity import perplexity
 from sparse_engine.jsonstore import stamped_version
 from sparse_engine.model.loader import LoadedModel
 from sparse_engine.sparsity.plan import Level, SparsityPlan
+from sparse_engine.training.gate_fit import local_error
 from sparse_engine.training.train_gates import CurvePoint, GateTraining, TrainedGates, train_gates
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,12 @@ def register(commands: Any) -> None:
     cmd.add_argument("--seq-len", type=int, default=defaults.seq_len, help="tokens per sequence")
     cmd.add_argument("--rank", type=int, default=defaults.rank, help="rank of each gate matrix")
     cmd.add_argument("--target-sparsity", type=float, default=defaults.target)
+    cmd.add_argument(
+        "--init",
+        default=defaults.init,
+        help="open (every gate open), fit (closed-form fit to the channels' magnitudes) or a "
+        "gate artefact to go on from (with --steps 0: only calibrate and judge it)",
+    )
     cmd.add_argument("--samples", type=int, default=400, help="training documents")
     cmd.add_argument("--eval-tokens", type=int, default=4096, help="evaluation tokens")
     cmd.add_argument("--no-baseline", action="store_true", help="skip the healthy baseline pass")
@@ -58,6 +65,7 @@ def run_train(args: argparse.Namespace, settings: Settings) -> int:
         seq_len=args.seq_len,
         rank=args.rank,
         target=args.target_sparsity,
+        init=args.init,
         eval_every=max(1, args.steps // 10),
     )
     cfg.check()
@@ -75,7 +83,8 @@ def run_train(args: argparse.Namespace, settings: Settings) -> int:
     data = prepare_data(lm.tokenizer, texts, split, name)
     sequences = [b[0, len(data.prefix) :] for b in data.batches]
     trained = _train(lm, sequences, data.heldout, data.prefix, cfg)
-    path = _save(settings, lm, trained, cfg, name)
+    same = cfg.resumes and cfg.steps == 0
+    path = Path(cfg.init) if same else _save(settings, lm, trained, cfg, name)
     cal_cfg = CalibrationConfig(
         samples=settings.engine.calibration_samples,
         seq_len=settings.engine.seq_len,
@@ -91,14 +100,17 @@ def run_train(args: argparse.Namespace, settings: Settings) -> int:
     )
     report |= {
         "gates": str(path),
-        "curve": str(path.with_suffix(".png")),
+        "curve": str(path.with_suffix(".png")) if trained.curve else None,
         "train_s": trained.seconds,
     }
     if args.json:
         emit_json(report)
     else:
         for key, value in report.items():
-            emit(f"{key:28} {value}")
+            if not key.startswith("local_error"):
+                emit(f"{key:28} {value}")
+        for key in ("local_error_calibrated", "local_error_trained"):
+            _show(key, report[key])
     return 0
 
 
@@ -138,7 +150,8 @@ def _save(
         "curve": [p.to_dict() for p in trained.curve],
     }
     trained.gates.save(path, record)
-    _render(path.with_suffix(".png"), trained)
+    if trained.curve:
+        _render(path.with_suffix(".png"), trained)
     log.info("gate artefact %s written (%d steps)", path, cfg.steps)
     return path
 
@@ -183,6 +196,31 @@ def _compare(
         report[f"{name}_sparsity"] = round(result.sparsity, 4)
         report[f"{name}_ppl_change_pct"] = round(100 * (result.perplexity / dense - 1), 3)
     report["eval_tokens"] = int(tokens.numel())
+    report |= _why(lm, cal, tokens)
+    return report
+
+
+def _why(lm: LoadedModel, cal: Calibration, tokens: torch.Tensor) -> dict[str, Any]:
+    """The gates' closed channels against as many closed by magnitude in each layer: the share
+    of each MLP's output they carry (the local error), at the calibrated offset and at the
+    offset the gates were trained at (0), mean over the layers and layer by layer."""
+    plan = cal.plan()
+    assert plan.gates is not None
+    width = 128
+    usable = tokens[: tokens.numel() // width * width].view(-1, width)
+    head = torch.tensor(lm.bos_prefix, dtype=tokens.dtype).expand(usable.shape[0], -1)
+    full = torch.cat([head, usable], dim=1)
+    rows = [full[i : i + 8] for i in range(0, full.shape[0], 8)]
+    report: dict[str, Any] = {}
+    for name, offset in (("calibrated", plan.gate_offset), ("trained", 0.0)):
+        errors = local_error(lm, plan.gates, offset, rows)
+        count = len(errors)
+        report[f"local_error_{name}"] = {
+            "sparsity": round(sum(e.sparsity for e in errors) / count, 4),
+            "gates": round(sum(e.gates for e in errors) / count, 5),
+            "magnitude": round(sum(e.magnitude for e in errors) / count, 5),
+            "layers": [e.to_dict() for e in errors],
+        }
     return report
 
 
@@ -196,3 +234,15 @@ def _threshold_plan(settings: Settings, lm: LoadedModel, level: Level) -> Sparsi
         log.info("no threshold calibration of %s to compare with", level.value)
         return None
     return found[-1].plan()
+
+
+def _show(key: str, found: dict[str, Any]) -> None:
+    emit(
+        f"{key}: mean over layers at sparsity {found['sparsity']:.3f}: gates "
+        f"{found['gates']:.5f}, by magnitude {found['magnitude']:.5f}"
+    )
+    for e in found["layers"]:
+        emit(
+            f"  layer {e['layer']:3} sparsity {e['sparsity']:.3f}  gates {e['gates']:.5f}  "
+            f"magnitude {e['magnitude']:.5f}"
+        )

@@ -1,22 +1,28 @@
 """Train learned gates (`sparsity.gates`) on a frozen model: distillation KL to the dense
 model plus a hinge on the share of channels kept above `1 - target`, the target rising from 0
 over the first `ramp` of the steps. Only the gates learn; the model's weights never change.
-Each step runs the dense model once (no gradient) and the gated model forward and backward."""
+Each step runs the dense model once (no gradient) and the gated model forward and backward.
+The gates start open (`init="open"`: every gate at 0.5, the dense model), from the closed-form
+fit of `gate_fit` (`init="fit"`), which already predicts the channels' magnitudes, or from a
+gate artefact (`init=PATH`: training goes on from it). With `steps=0` the start is the result."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from sparse_engine.evaluation.perplexity import perplexity
 from sparse_engine.model.loader import LoadedModel
-from sparse_engine.sparsity.gates import DEFAULT_RANK, Gates, gated
+from sparse_engine.sparsity.gates import DEFAULT_RANK, Gates, gated, load_gates
 from sparse_engine.sparsity.plan import SparsityPlan
+from sparse_engine.training.gate_fit import fit_gates
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +39,28 @@ class GateTraining:
     penalty: float = 2.0  # weight of the hinge
     eval_every: int = 50
     seed: int = 0
+    init: str = "open"  # "open", "fit" (`gate_fit.fit_gates`) or a gate artefact's path
+    fit_sequences: int = 64  # training sequences the fit reads
 
     def check(self) -> None:
-        if self.steps < 1 or self.batch < 1 or self.seq_len < 2 or self.rank < 1:
+        if (
+            self.steps < (0 if self.resumes else 1)
+            or self.batch < 1
+            or self.seq_len < 2
+            or self.rank < 1
+        ):
             raise ValueError("--steps, --batch and --rank must be >= 1 and --seq-len >= 2")
         if not 0.0 < self.target < 1.0 or not 0.0 < self.ramp <= 1.0:
             raise ValueError("--target-sparsity must be in (0, 1) and the ramp in (0, 1]")
+        if self.resumes and not Path(self.init).is_file():
+            raise ValueError(
+                f"--init {self.init}: no such gate artefact; give 'open', 'fit' or a "
+                "file written by `sparseguard train-gates`"
+            )
+
+    @property
+    def resumes(self) -> bool:
+        return self.init not in ("open", "fit")
 
     def goal(self, step: int) -> float:
         """The kept share allowed at `step` (1 - the ramped target)."""
@@ -84,8 +106,7 @@ def train_gates(
         raise ValueError(f"no training sequence holds --seq-len {cfg.seq_len} tokens")
     torch.manual_seed(cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)
-    hidden = int(lm.model.config.hidden_size)
-    gates = Gates.for_layers(lm.layers, hidden, cfg.rank)
+    gates = _start(lm, usable, cfg, prefix)
     optimiser = torch.optim.Adam(
         [
             {"params": [*gates.down, *gates.up], "lr": cfg.lr},
@@ -112,6 +133,19 @@ def train_gates(
     return TrainedGates(gates, curve, dense, time.monotonic() - started)
 
 
+def _start(
+    lm: LoadedModel, usable: list[torch.Tensor], cfg: GateTraining, prefix: Sequence[int]
+) -> Gates:
+    if cfg.resumes:
+        return copy.deepcopy(load_gates(cfg.init)).requires_grad_(True)
+    if cfg.init == "open":
+        return Gates.for_layers(lm.layers, int(lm.model.config.hidden_size), cfg.rank)
+    crops = [_crop(s, 0, cfg.seq_len, prefix) for s in usable[: cfg.fit_sequences]]
+    stacked = [torch.stack(crops[i : i + cfg.batch]) for i in range(0, len(crops), cfg.batch)]
+    log.info("fitting the gates on %d sequences", len(crops))
+    return fit_gates(lm, stacked, cfg.rank, quantile=cfg.target)
+
+
 def _batch(
     sequences: list[torch.Tensor],
     cfg: GateTraining,
@@ -122,10 +156,12 @@ def _batch(
     for pick in torch.randint(len(sequences), (cfg.batch,), generator=generator).tolist():
         seq = sequences[pick]
         start = int(torch.randint(seq.numel() - cfg.seq_len + 1, (1,), generator=generator))
-        rows.append(
-            torch.cat([torch.tensor(list(prefix), dtype=seq.dtype), seq[start:][: cfg.seq_len]])
-        )
+        rows.append(_crop(seq, start, cfg.seq_len, prefix))
     return torch.stack(rows)
+
+
+def _crop(seq: torch.Tensor, start: int, length: int, prefix: Sequence[int]) -> torch.Tensor:
+    return torch.cat([torch.tensor(list(prefix), dtype=seq.dtype), seq[start:][:length]])
 
 
 def _step(
