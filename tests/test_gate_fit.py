@@ -3,16 +3,20 @@ decoders of the three families."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from services.cli import main
 from sparse_engine.model.loader import LoadedModel
-from sparse_engine.sparsity.gates import Gates, logit_sample, offset_for
+from sparse_engine.sparsity.gates import THRESHOLD, Gates, logit_sample, offset_for
 from sparse_engine.training.gate_fit import fit_gates, local_error
-from sparse_engine.training.train_gates import GateTraining
+from sparse_engine.training.train_gates import GateTraining, train_gates
 from tests.tiny import sample_texts, tiny_model
 
 FAMILIES = ["llama", "qwen2", "gemma3"]
+CUT = float(torch.logit(torch.tensor(THRESHOLD)))
 
 
 def _rows(lm: LoadedModel, count: int, start: int = 0) -> list[torch.Tensor]:
@@ -58,7 +62,7 @@ def test_the_fit_streams_its_batches() -> None:
     for layer in range(one_by_one.num_layers):
         # the same moments; only the thinned magnitude sample behind the quantile differs
         a, b = one_by_one.logits(layer, x), together.logits(layer, x)
-        assert ((a > 0) == (b > 0)).float().mean() > 0.98
+        assert ((a > CUT) == (b > CUT)).float().mean() > 0.98  # the same open gates
         assert torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1] > 0.999
     with pytest.raises(ValueError, match="no tokens"):
         fit_gates(lm, [], rank=4)
@@ -74,3 +78,36 @@ def test_local_error_of_all_open_and_all_closed() -> None:
         assert layer.magnitude > 0.9  # all but the largest activation closed
     with pytest.raises(ValueError, match="--init"):
         GateTraining(init="zeros").check()
+
+
+def test_training_starts_from_the_fit_or_an_artefact(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lm = tiny_model()
+    sequences = [r[0] for r in _rows(lm, 6)]
+    held = _rows(lm, 1, start=6)[0][0]
+    base = GateTraining(steps=0, batch=2, seq_len=24, rank=4, target=0.5, init="fit")
+    fitted = train_gates(lm, sequences, held, base)
+    assert fitted.curve == []  # no step taken: the fit is the result
+    crops = [s[:24].unsqueeze(0) for s in sequences]
+    again = fit_gates(lm, [torch.cat(crops[i : i + 2]) for i in (0, 2, 4)], 4, quantile=0.5)
+    for a, b in zip(fitted.gates.parameters(), again.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+    fitted.gates.version = "tiny-fit"
+    path = tmp_path / "tiny-fit.safetensors"
+    fitted.gates.save(path, {})
+    same = train_gates(lm, sequences, held, GateTraining(steps=0, init=str(path), seq_len=24))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(same.gates.parameters(), fitted.gates.parameters(), strict=True)
+    )
+    on = train_gates(lm, sequences, held, GateTraining(steps=3, init=str(path), seq_len=24))
+    assert len(on.curve) == 3 and on.gates.rank == 4  # went on from the artefact's gates
+    assert not all(
+        torch.equal(a, b)
+        for a, b in zip(on.gates.parameters(), fitted.gates.parameters(), strict=True)
+    )
+    with pytest.raises(ValueError, match="--steps"):
+        GateTraining(steps=0).check()  # an open start needs training
+    assert main(["train-gates", "--init", str(path), "--rank", "8"]) == 2
+    assert "--rank does not apply" in capsys.readouterr().err

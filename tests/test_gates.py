@@ -198,6 +198,7 @@ def test_batched_probes_under_gates_match_each_alone() -> None:
     ("argv", "message"),
     [
         (["--steps", "0"], "--steps"),
+        (["--init", "missing.safetensors"], "no such gate artefact"),
         (["--target-sparsity", "1.5"], "--target-sparsity"),
         (["--level", "dense"], "dense level"),
     ],

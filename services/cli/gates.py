@@ -42,7 +42,7 @@ def register(commands: Any) -> None:
     cmd.add_argument("--steps", type=int, default=defaults.steps)
     cmd.add_argument("--batch", type=int, default=defaults.batch, help="sequences per step")
     cmd.add_argument("--seq-len", type=int, default=defaults.seq_len, help="tokens per sequence")
-    cmd.add_argument("--rank", type=int, default=defaults.rank, help="rank of each gate matrix")
+    cmd.add_argument("--rank", type=int, help=f"rank of each gate matrix (default {defaults.rank})")
     cmd.add_argument("--target-sparsity", type=float, default=defaults.target)
     cmd.add_argument(
         "--init",
@@ -59,16 +59,19 @@ def register(commands: Any) -> None:
 
 def run_train(args: argparse.Namespace, settings: Settings) -> int:
     (level,) = parse_levels([args.level])
+    defaults = GateTraining()
     cfg = GateTraining(
         steps=args.steps,
         batch=args.batch,
         seq_len=args.seq_len,
-        rank=args.rank,
+        rank=defaults.rank if args.rank is None else args.rank,
         target=args.target_sparsity,
         init=args.init,
         eval_every=max(1, args.steps // 10),
     )
     cfg.check()
+    if cfg.resumes and args.rank is not None:
+        raise ValueError("--rank does not apply to --init FILE: the artefact's rank is kept")
     if args.samples < 1 or args.eval_tokens < 2:
         raise ValueError("--samples must be >= 1 and --eval-tokens >= 2")
     lm = load_served_model(settings, args.model)

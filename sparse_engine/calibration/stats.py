@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sparse_engine.model.arch import LayerParts, Unit
+from sparse_engine.model.arch import LayerParts, Unit, run_hooked
 
 LOG10_MIN, LOG10_MAX, NUM_BINS = -8.0, 4.0, 4800
 
@@ -51,16 +51,13 @@ def collect_stats(
         for role in roles:
             hook = _stats_hook(stats, (role, part.index), max_rows, generator)
             handles.append(part.get(role).register_forward_pre_hook(hook))
-    try:
-        with torch.inference_mode():
-            for ids in batches:
-                model(input_ids=ids)
-                stats.num_tokens += ids.numel()
-                if progress is not None:
-                    progress(ids.numel())
-    finally:
-        for handle in handles:
-            handle.remove()
+
+    def count(ids: torch.Tensor) -> None:
+        stats.num_tokens += ids.numel()
+        if progress is not None:
+            progress(ids.numel())
+
+    run_hooked(model, handles, batches, count)
     return stats
 
 

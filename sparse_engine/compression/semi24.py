@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sparse_engine.model.arch import LayerParts, find_layers
+from sparse_engine.model.arch import LayerParts, find_layers, run_hooked
 from sparse_engine.model.loader import LoadedModel, wrap
 
 GROUP = 4
@@ -67,13 +67,7 @@ def input_norms(
         for role in roles:
             hook = _norm_hook(sums, (part.index, role))
             handles.append(part.get(role).register_forward_pre_hook(hook))
-    try:
-        with torch.inference_mode():
-            for ids in batches:
-                lm.model(input_ids=ids)
-    finally:
-        for handle in handles:
-            handle.remove()
+    run_hooked(lm.model, handles, batches)
     return {key: total.sqrt() for key, total in sums.items()}
 
 

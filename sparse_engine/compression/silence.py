@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sparse_engine.model.arch import LayerParts
+from sparse_engine.model.arch import LayerParts, run_hooked
 
 KIND_ROLES = {"mlp": "down", "attn": "o"}  # channel kind -> projection whose input it is
 ChannelSite = tuple[int, str]  # (layer, kind): where a set of channels lives
@@ -128,17 +128,14 @@ def capture(
         for part in layers
         for kind, role in KIND_ROLES.items()
     ]
-    try:
-        with torch.inference_mode():
-            for ids in batches:
-                model(input_ids=ids)
-                result.samples += 1
-                result.tokens += ids.numel()
-                if progress is not None:
-                    progress(ids.numel())
-    finally:
-        for handle in handles:
-            handle.remove()
+
+    def count(ids: torch.Tensor) -> None:
+        result.samples += 1
+        result.tokens += ids.numel()
+        if progress is not None:
+            progress(ids.numel())
+
+    run_hooked(model, handles, batches, count)
     return result
 
 

@@ -6,9 +6,12 @@ modules found here, never to patched forwards.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 # Role -> candidate sub-module paths inside one decoder layer, first match wins.
 ROLE_PATHS: dict[str, tuple[str, ...]] = {
@@ -91,3 +94,23 @@ def _get(root: nn.Module, path: str) -> nn.Module | None:
         if not isinstance(module, nn.Module):
             return None
     return module
+
+
+def run_hooked(
+    model: nn.Module,
+    handles: Iterable[RemovableHandle],
+    batches: Iterable[torch.Tensor],
+    each: Callable[[torch.Tensor], None] | None = None,
+) -> None:
+    """Run `batches` (token id tensors) through `model` without gradients, calling `each` with
+    each batch after its pass, for the hooks behind `handles`, which are removed afterwards
+    whatever happens."""
+    try:
+        with torch.inference_mode():
+            for ids in batches:
+                model(input_ids=ids)
+                if each is not None:
+                    each(ids)
+    finally:
+        for handle in handles:
+            handle.remove()

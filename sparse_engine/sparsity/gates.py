@@ -77,9 +77,8 @@ class Gates(nn.Module):
 
     def logits(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """Gate logits of `layer` for MLP inputs `x` (..., hidden)."""
-        x = x.to(self.down[layer].dtype)
-        features = torch.cat([x, F.layer_norm(x, x.shape[-1:])], dim=-1)
-        return F.linear(F.linear(features, self.down[layer]), self.up[layer], self.bias[layer])
+        feats = features(x.to(self.down[layer].dtype))
+        return F.linear(F.linear(feats, self.down[layer]), self.up[layer], self.bias[layer])
 
     def save(self, path: Path, meta: dict[str, Any]) -> str:
         """Write the tensors (safetensors) and `meta` beside them (JSON); the tensors' sha256."""
@@ -91,6 +90,11 @@ class Gates(nn.Module):
         record = {**meta, "version": self.version, "sha256": digest, "rank": self.rank}
         path.with_suffix(".json").write_text(json.dumps(record, indent=1))
         return digest
+
+
+def features(x: torch.Tensor) -> torch.Tensor:
+    """A gate's input features `[x ; LayerNorm(x)]` of MLP inputs `x` (..., hidden)."""
+    return torch.cat([x, F.layer_norm(x, x.shape[-1:])], dim=-1)
 
 
 def file_sha256(path: Path) -> str:

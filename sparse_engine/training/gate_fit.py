@@ -19,12 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from sparse_engine.model.arch import input_width
+from sparse_engine.model.arch import input_width, run_hooked
 from sparse_engine.model.loader import LoadedModel
-from sparse_engine.sparsity.gates import THRESHOLD, Gates
+from sparse_engine.sparsity.gates import THRESHOLD, Gates, features
 
 _SAMPLE_EVERY = 7  # thinning of the magnitudes kept for the layer's quantile
 
@@ -55,12 +54,6 @@ class _Moments:
         self.sample.append(mags.flatten()[::_SAMPLE_EVERY].float())
 
 
-def features(x: torch.Tensor) -> torch.Tensor:
-    """The gate's input features of MLP inputs `x` (..., hidden), flattened to rows."""
-    x = x.reshape(-1, x.shape[-1]).float()
-    return torch.cat([x, F.layer_norm(x, x.shape[-1:])], dim=-1)
-
-
 def _observe(lm: LoadedModel, batches: Iterable[torch.Tensor], sink: Any) -> None:
     """Run the dense model on `batches`, calling `sink(layer, mlp_input, down_input)`."""
     held: dict[int, torch.Tensor] = {}
@@ -75,13 +68,7 @@ def _observe(lm: LoadedModel, batches: Iterable[torch.Tensor], sink: Any) -> Non
                 lambda m, a, i=part.index, d=down: sink(i, held.pop(i), a[0], d)
             )
         )
-    try:
-        with torch.inference_mode():
-            for ids in batches:
-                lm.model(input_ids=ids)
-    finally:
-        for handle in handles:
-            handle.remove()
+    run_hooked(lm.model, handles, batches)
 
 
 def fit_gates(
@@ -98,7 +85,9 @@ def fit_gates(
     moments = [_Moments.zeros(2 * hidden, input_width(p.get("down"))) for p in lm.layers]
 
     def sink(layer: int, x: torch.Tensor, a: torch.Tensor, down: nn.Module) -> None:
-        moments[layer].add(features(x), a.reshape(-1, a.shape[-1]).abs())
+        moments[layer].add(
+            features(x.reshape(-1, x.shape[-1]).float()), a.reshape(-1, a.shape[-1]).abs()
+        )
 
     _observe(lm, batches, sink)
     gates = Gates.for_layers(lm.layers, hidden, rank)

@@ -44,12 +44,15 @@ class GateTraining:
 
     def check(self) -> None:
         if (
-            self.steps < (0 if self.resumes else 1)
+            self.steps < (0 if self.init != "open" else 1)
             or self.batch < 1
             or self.seq_len < 2
             or self.rank < 1
         ):
-            raise ValueError("--steps, --batch and --rank must be >= 1 and --seq-len >= 2")
+            raise ValueError(
+                "--batch and --rank must be >= 1, --seq-len >= 2 and --steps >= 1 "
+                "(>= 0 with --init fit or FILE)"
+            )
         if not 0.0 < self.target < 1.0 or not 0.0 < self.ramp <= 1.0:
             raise ValueError("--target-sparsity must be in (0, 1) and the ramp in (0, 1]")
         if self.resumes and not Path(self.init).is_file():
