@@ -55,6 +55,10 @@ def test_openai_sdk_completion_with_headers_and_telemetry(
     assert headers["x-ir-calibration"] == "tiny-balanced"
     assert 0.3 < float(headers["x-ir-sparsity"]) < 0.7
     assert float(headers["x-first-token-latency"]) > 0
+    timing = dict(part.strip().split(";dur=") for part in headers["server-timing"].split(","))
+    assert timing.keys() == {"queue", "engine"}
+    assert float(timing["queue"]) >= 0
+    assert float(timing["engine"]) >= float(headers["x-first-token-latency"]) * 0.999 > 0
     assert "temperature:" not in headers["x-ir-policy"]  # temperature defaults to 1.0
     event = sink.by_trace(headers["x-ir-trace-id"])
     assert event.status == "ok" and event.level == "balanced" and event.api == "openai"

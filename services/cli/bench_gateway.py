@@ -86,10 +86,13 @@ def run_gateway_bench(args: argparse.Namespace, settings: Settings) -> int:
         }
         for _ in range(WARM_UP):
             _post(client, url, body)
-        direct, via = [], []
-        for _ in range(args.requests):  # interleaved: both see the same machine state
+        direct, via, inside, again = [], [], [], []
+        for _ in range(args.requests):  # interleaved: all see the same machine state
             direct.append(rt.worker.call(lambda: _timed(rt.engine, request, level)).result())
-            via.append(_post(client, url, body)[1])
+            _, ms, engine_ms = _post(client, url, body)
+            via.append(ms)
+            inside.append(engine_ms)
+            again.append(rt.worker.call(lambda: _timed(rt.engine, request, level)).result())
         with_drift = replace(request, measure_drift=True)
         drift = [
             rt.worker.call(lambda: _timed(rt.engine, with_drift, level)).result() for _ in range(5)
@@ -103,6 +106,11 @@ def run_gateway_bench(args: argparse.Namespace, settings: Settings) -> int:
         "gateway_ms": _percentiles(via),
         # Per pair (each request against the direct run just before it), then percentiles.
         "added_ms": _percentiles([v - d for v, d in zip(via, direct, strict=True)]),
+        # The control: what pairing alone gives, a direct run against the one before it.
+        "direct_vs_direct_ms": _percentiles([a - d for a, d in zip(again, direct, strict=True)]),
+        # The same request's own engine time (its Server-Timing): no second run's noise.
+        "gateway_engine_ms": _percentiles(inside),
+        "outside_engine_ms": _percentiles([v - e for v, e in zip(via, inside, strict=True)]),
         "drift_pass_ms": round(statistics.median(drift) - statistics.median(direct), 1),
         "stages_ms": stages,
         "load": loads,
@@ -117,10 +125,16 @@ def run_gateway_bench(args: argparse.Namespace, settings: Settings) -> int:
         emit_json(report)
         return 0
     emit(f"gateway bench: {level.value}, {args.max_tokens} new tokens, {args.requests} requests")
-    rows = {"engine direct": report["direct_ms"], "via gateway": report["gateway_ms"]}
-    rows["added latency"] = report["added_ms"]
+    rows = {
+        "engine direct": report["direct_ms"],
+        "via gateway": report["gateway_ms"],
+        "  of it in the engine (Server-Timing)": report["gateway_engine_ms"],
+        "added: against the direct run before": report["added_ms"],
+        "  control: a direct run against the one before": report["direct_vs_direct_ms"],
+        "added: outside the engine, same request": report["outside_engine_ms"],
+    }
     for label, row in rows.items():
-        emit(f"{label:15} p50 {row['p50']:8.1f} ms  p99 {row['p99']:8.1f} ms")
+        emit(f"{label:47} p50 {row['p50']:8.1f} ms  p99 {row['p99']:8.1f} ms")
     emit(f"drift sample's dense pass (apart): {report['drift_pass_ms']} ms")
     emit("stages of the added latency, each timed alone (median ms):")
     for name, ms in stages.items():
@@ -178,13 +192,17 @@ def _stages(
     return timings
 
 
-def _post(client: httpx.Client, url: str, body: dict[str, Any]) -> tuple[int, float]:
+def _post(client: httpx.Client, url: str, body: dict[str, Any]) -> tuple[int, float, float]:
+    """Status, ms at the client, and ms in the engine (the response's Server-Timing)."""
     started = time.perf_counter()
     try:
-        status = client.post(f"{url}/v1/chat/completions", json=body, timeout=120).status_code
+        response = client.post(f"{url}/v1/chat/completions", json=body, timeout=120)
     except httpx.HTTPError:
-        status = 0
-    return status, (time.perf_counter() - started) * 1000
+        return 0, (time.perf_counter() - started) * 1000, float("nan")
+    ms = (time.perf_counter() - started) * 1000
+    timing = response.headers.get("server-timing", "")
+    parts = dict(part.strip().split(";dur=") for part in timing.split(",") if ";dur=" in part)
+    return response.status_code, ms, float(parts.get("engine", "nan"))
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:

@@ -5,6 +5,7 @@ and trust models without a restart), and closes them on shutdown."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -100,4 +101,11 @@ async def _start(
         rt.control = ControlListener(settings, engine, reloads, rt.install_trust_model)
         rt.control.start()
         stack.callback(rt.control.stop)
+    # What start-up built lives as long as the gateway: left to the collector, every full
+    # collection scanned its ~600k objects and held all threads for 300-400 ms (measured
+    # with `sparseguard bench gateway` on SmolLM2). Frozen, collections scan only what
+    # requests allocate; thawed on shutdown, so a stopped gateway can still be collected.
+    gc.collect()
+    gc.freeze()
+    stack.callback(gc.unfreeze)
     return rt

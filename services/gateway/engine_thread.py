@@ -40,6 +40,7 @@ class EngineJob:
     cancel: threading.Event = field(default_factory=threading.Event)
     enqueued_at: float = field(default_factory=time.perf_counter)
     started_at: float | None = None
+    finished_at: float | None = None
 
     async def events(self) -> AsyncIterator[tuple[str, Any]]:
         """("delta", text)* then ("done", result) or ("error", exception)."""
@@ -53,6 +54,12 @@ class EngineJob:
     def queue_s(self) -> float:
         return (self.started_at or time.perf_counter()) - self.enqueued_at
 
+    @property
+    def engine_s(self) -> float:
+        """From joining the running batch to the statistics, on the engine thread."""
+        start = self.started_at or self.enqueued_at
+        return (self.finished_at or time.perf_counter()) - start
+
     def started(self) -> None:
         self.started_at = time.perf_counter()
 
@@ -60,6 +67,7 @@ class EngineJob:
         self._post(("delta", text))
 
     def done(self, stats: GenerationStats) -> None:
+        self.finished_at = time.perf_counter()
         self._post(("done", stats))
 
     def error(self, exc: Exception) -> None:

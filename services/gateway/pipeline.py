@@ -32,6 +32,7 @@ class Final:
     stats: GenerationStats
     trust: Trust
     queue_s: float
+    engine_s: float = 0.0  # from joining the engine's batch to the last token, on its thread
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +41,7 @@ class Answered:
 
     stats: GenerationStats
     queue_s: float
+    engine_s: float
 
 
 def final_headers(final: Final) -> dict[str, str]:
@@ -50,6 +52,14 @@ def final_headers(final: Final) -> dict[str, str]:
         "X-First-Token-Latency": f"{final.stats.time_to_first_token_s * 1000:.1f}",
         "X-KV-Cache-Hit-Rate": f"{final.stats.cache_hit_rate:.4f}",
     }
+
+
+def server_timing(finals: list[Final]) -> dict[str, str]:
+    """The engine's part of a JSON response's time (W3C Server-Timing: waiting for the engine,
+    then in its batch), so a caller can tell it from the guardrail's own time."""
+    queue = sum(f.queue_s for f in finals) * 1000
+    engine = sum(f.engine_s for f in finals) * 1000
+    return {"Server-Timing": f"queue;dur={queue:.1f}, engine;dur={engine:.1f}"}
 
 
 async def execute(rt: Runtime, p: Prepared) -> AsyncGenerator[str | Final, None]:
@@ -115,7 +125,7 @@ async def _answer(
     async for item in answers:
         if isinstance(item, Answered):
             trust = rt.trust.assess(item.stats, prompt, p.plan.is_dense)
-            yield Final(item.stats, trust, item.queue_s)
+            yield Final(item.stats, trust, item.queue_s, item.engine_s)
         else:
             yield item
 
@@ -201,7 +211,7 @@ async def _drain(job: EngineJob) -> AsyncIterator[str | Answered]:
             elif kind == "error":
                 raise _as_api_error(value)
             else:
-                yield Answered(value, job.queue_s)
+                yield Answered(value, job.queue_s, job.engine_s)
     finally:
         job.cancel.set()  # a client that went away stops its generation
 

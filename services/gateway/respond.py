@@ -15,7 +15,7 @@ from services.gateway.events import record
 from services.gateway.formats import Choice, StreamFormat
 from services.gateway.intake import Prepared, upfront_headers
 from services.gateway.logprobs import TokenText
-from services.gateway.pipeline import Final, execute, final_headers
+from services.gateway.pipeline import Final, execute, final_headers, server_timing
 from services.gateway.runtime import Runtime
 
 Body = Callable[[list[Choice], str, TokenText], dict[str, Any]]
@@ -38,6 +38,7 @@ async def respond_json(
             return JSONResponse({}, status_code=499)
     choices = task.result()
     headers = upfront_headers(ps[0]) | final_headers(choices[0].final)
+    headers |= server_timing([choice.final for choice in choices])
     content = body(choices, rt.engine.lm.model_id, token_text(rt))
     return JSONResponse(content, headers=headers)
 
