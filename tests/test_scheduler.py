@@ -236,8 +236,9 @@ def test_drift_passes_batch_and_match_one_by_one(scheduler: Scheduler) -> None:
     alone = [engine.generate(request, level).result() for request, level in jobs]
     for got, want in zip(batched, alone, strict=True):
         assert want.semantic_drift_kl is not None and want.semantic_drift_kl > 0
-        # the tiny model's drift is ~1e-6, about the float noise of its logits
-        assert got.semantic_drift_kl == pytest.approx(want.semantic_drift_kl, abs=1e-7)
+        # the tiny model's drift is ~1e-6, the float noise of its logits: a change in how the
+        # products round moves it by ~1e-7 (the blocked oneDNN weights did)
+        assert got.semantic_drift_kl == pytest.approx(want.semantic_drift_kl, abs=3e-7)
     # The padded pass against one pass per answer, on sparse logits far from the dense ones.
     generator = torch.Generator().manual_seed(0)
     items = [
