@@ -36,6 +36,7 @@ def register(commands: Any) -> None:
     cmd = eval_commands(commands).add_parser(
         "alerts", help="replay healthy and faulty telemetry through the alerts"
     )
+    cmd.add_argument("--model", help="model name, HF directory or GGUF file (default: served)")
     cmd.add_argument("--healthy", type=int, default=100, help="measured requests per level")
     cmd.add_argument("--faulty", type=int, default=60, help="measured requests per fault")
     cmd.add_argument("--fault-level", default=Level.BALANCED.value)
@@ -64,6 +65,9 @@ def run_eval_alerts(args: argparse.Namespace, settings: Settings) -> int:
         raise ValueError(f"--fault-offset must be 0 or more, got {args.fault_offset}")
     if fault_level is Level.DENSE:
         raise ValueError("inject faults at a sparse level (the dense level has no gate)")
+    if args.model:  # every part of the study (engine, trust model, baselines) on that model
+        engine = settings.engine.model_copy(update={"model": args.model})
+        settings = settings.model_copy(update={"engine": engine})
     lm = load_served_model(settings)
     cals = {lv: store(settings).latest(lm.weights_sha256, lv) for lv in _sparse_levels()}
     if any(c.baseline is None for c in cals.values()):
