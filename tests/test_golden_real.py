@@ -32,6 +32,7 @@ from sparse_engine.calibration.store import CalibrationStore
 from sparse_engine.data.corpora import load_texts
 from sparse_engine.data.splits import evaluation_tokens
 from sparse_engine.model.loader import LoadedModel
+from sparse_engine.runtime import kernels
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.sparsity.plan import Level, SparsityPlan
 from sparse_engine.sparsity.scaled import TOLERANCE, realised_sparsity, scale_to_sparsity
@@ -82,7 +83,9 @@ def results(
         *[i for i in default_set if i.source == "halueval"][:HALUEVAL_ITEMS],
     ]
     plans = {"dense-self": SparsityPlan(), "balanced": balanced, "balanced-at-90%": broken}
-    found = golden.compare(Engine(smollm, {}), items, plans, MAX_NEW_TOKENS)
+    engine = Engine(smollm, {})
+    engine.enable_fast_path(native=kernels.load())  # the decode path the nightly job serves
+    found = golden.compare(engine, items, plans, MAX_NEW_TOKENS)
     return {result.level: result for result in found}
 
 

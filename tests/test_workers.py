@@ -117,6 +117,7 @@ def stack(
         jobs__golden_set=str(golden_file),
         jobs__golden_max_new_tokens=12,
         jobs__golden_levels='["balanced"]',
+        engine__threads=2,  # the worker computes alone here; both cores take a minute off CI
     )
     worker = Process(["worker"], env, state / "worker.log")
     try:
@@ -220,6 +221,7 @@ def test_worker_killed_mid_recalibration_leaves_no_version_and_the_retry_complet
         jobs__broker_url=redis_url,
         jobs__visibility_timeout_s=8,
         telemetry__bootstrap_servers=kafka_broker.bootstrap,
+        engine__threads=2,  # one worker at a time computes here
     )
     settings = settings_from(env)
     sessions = sessions_for(settings)
