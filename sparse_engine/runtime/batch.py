@@ -22,7 +22,6 @@ import torch
 
 from sparse_engine.runtime.fast_weights import Matrix
 from sparse_engine.runtime.fastpath import ROLES, FastDecoder, _rope
-from sparse_engine.sparsity import signals
 from sparse_engine.sparsity.readout import Readout
 from sparse_engine.sparsity.recorder import SignalRecorder
 
@@ -87,8 +86,9 @@ class BatchStep:
         pos = torch.tensor([r.pos for r in rows])
         x = fast._embed(torch.tensor([r.token for r in rows], device=fast.device))
         limits = torch.stack([r.limits for r in rows]).to(torch.float32)  # (B, layers, roles)
+        sparse = (limits >= 0).any(0).tolist()  # per layer and role: does any row sparsify it
         layers = len(fast.layers)
-        counts = torch.zeros(n, layers, 4, dtype=torch.float64)
+        tally = _Tally()
         channels = torch.zeros(n, layers, fast.channels.shape[1])
         reading = [r.readout is not None and r.readout.wants(r.pos, 1) for r in rows]
         hidden = torch.zeros(n, layers, x.shape[1]) if any(reading) else None
@@ -100,18 +100,19 @@ class BatchStep:
         for i, layer in enumerate(fast.layers):
             lim = limits[:, i]
             h = fast._norm(x, layer.attn_norm)
-            qkv = _project(layer.qkv, h, lim, counts[:, i])
+            qkv = _project(layer.qkv, h, lim, sparse[i], tally.at(i))
             att = self._attend(i, qkv, at, attention[:, i])
-            o = _project(layer.o, att, lim, counts[:, i])
+            o = _project(layer.o, att, lim, sparse[i], tally.at(i))
             x = x + fast._norm(o, layer.post_attn_norm)
             h = fast._norm(x, layer.mlp_norm)
-            gate, up = _project(layer.gate_up, h, lim, counts[:, i]).chunk(2, dim=-1)
+            gate, up = _project(layer.gate_up, h, lim, sparse[i], tally.at(i)).chunk(2, dim=-1)
             a = fast._activation(gate) * up
             channels[:, i] = a.abs()
-            down = _project(layer.down, a, lim, counts[:, i])
+            down = _project(layer.down, a, lim, sparse[i], tally.at(i))
             x = x + fast._norm(down, layer.post_mlp_norm)
             if hidden is not None:
                 hidden[:, i] = x
+        counts = tally.counts(n, layers)
         for b, row in enumerate(rows):
             if row.recorder is not None:
                 row.recorder.begin_step()
@@ -185,11 +186,13 @@ class _Positions:
 
 
 def _project(
-    m: Matrix, x: torch.Tensor, limits: torch.Tensor, counts: torch.Tensor
+    m: Matrix, x: torch.Tensor, limits: torch.Tensor, sparse: list[bool], tally: _LayerTally
 ) -> torch.Tensor:
     """x (B, in) through the fused matrix, each part at each row's threshold for its role
-    (limits (B, roles), negative: dense); counts (B, 4) gathers each row's signals as the hooks
-    count them (zeroed, total, kept-magnitude share, tokens; once per part)."""
+    (limits (B, roles), negative: dense; `sparse`: per role, whether any row sparsifies it),
+    each sparse product's sums into `tally`."""
+    if not any(sparse[ROLES.index(role)] for role, _, _ in m.parts):
+        return m.product(x)  # every row dense here: nothing to mask or count
     per_part = limits[:, [ROLES.index(role) for role, _, _ in m.parts]]  # (B, parts)
     if bool((per_part == per_part[:, :1]).all()):
         groups = [(per_part[:, 0], 0, m.parts[-1][2], len(m.parts))]
@@ -197,17 +200,62 @@ def _project(
         groups = [(per_part[:, j], b, e, 1) for j, (_, b, e) in enumerate(m.parts)]
     outputs = []
     for limit, begin, end, parts in groups:
-        sparse = limit >= 0
-        if not bool(sparse.any()):
+        on = limit >= 0
+        if not bool(on.any()):
             outputs.append(m.product(x, begin, end))
             continue
         magnitude = x.abs()
         kept = magnitude > limit[:, None]
-        share = signals.kept_magnitude_share(magnitude, kept).double()
-        on = sparse.double() * parts
-        counts[:, 0] += on * (x.shape[-1] - kept.sum(-1).double())
-        counts[:, 1] += on * x.shape[-1]
-        counts[:, 2] += on * share
-        counts[:, 3] += on
-        outputs.append(m.product(x * kept, begin, end))
+        masked = x * kept
+        tally.add(on, parts, kept, magnitude, masked)
+        outputs.append(m.product(masked, begin, end))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+
+
+class _Tally:
+    """Each row's signal counts of one step, as the hooks count them (per layer: zeroed,
+    total, kept-magnitude share, tokens; once per part): each sparse product's three sums are
+    kept as they come and combined in one pass at the end of the step."""
+
+    def __init__(self) -> None:
+        self.layers: list[int] = []
+        self.weights: list[torch.Tensor] = []  # (B,): parts counted where the row is sparse
+        self.sums: list[torch.Tensor] = []  # (3, B): kept inputs, sum |x|, sum |kept x|
+        self.widths: list[int] = []
+
+    def at(self, layer: int) -> _LayerTally:
+        return _LayerTally(self, layer)
+
+    def counts(self, rows: int, layers: int) -> torch.Tensor:
+        """(rows, layers, 4) float64."""
+        counts = torch.zeros(rows, layers, 4, dtype=torch.float64)
+        if not self.layers:
+            return counts
+        kept, total, kept_abs = torch.stack(self.sums).unbind(1)  # (K, B) each
+        tiny = torch.finfo(total.dtype).tiny
+        share = torch.where(total > 0, kept_abs / total.clamp_min(tiny), 1.0).double()
+        on = torch.stack(self.weights)
+        width = torch.tensor(self.widths, dtype=torch.float64)[:, None]
+        values = torch.stack([on * (width - kept.double()), on * width, on * share, on], -1)
+        return counts.index_add_(1, torch.tensor(self.layers), values.transpose(0, 1))
+
+
+@dataclass(slots=True)
+class _LayerTally:
+    tally: _Tally
+    layer: int
+
+    def add(
+        self,
+        on: torch.Tensor,
+        parts: int,
+        kept: torch.Tensor,
+        magnitude: torch.Tensor,
+        masked: torch.Tensor,
+    ) -> None:
+        t = self.tally
+        t.layers.append(self.layer)
+        t.weights.append(on.double() * parts)
+        t.widths.append(kept.shape[-1])
+        sums = [kept.sum(-1, dtype=magnitude.dtype), magnitude.sum(-1), masked.abs().sum(-1)]
+        t.sums.append(torch.stack(sums))
