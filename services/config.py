@@ -247,6 +247,9 @@ class SignalSettings(BaseModel):
 TrustAction = Literal["retrieve", "simplify", "flag"]
 
 
+ROUTE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
+
+
 class TrustSettings(BaseModel):
     """Per-request trust: when an answer counts as low trust, and what is done about it."""
 
@@ -265,10 +268,25 @@ class TrustSettings(BaseModel):
     act_on: list[str] = Field(default_factory=lambda: list(DEFAULT_ACT_ON))
     default_action: TrustAction = "flag"
     actions: dict[str, TrustAction] = Field(default_factory=dict)  # per route path
+    # Per route path, the trust score under which that route's answers are low (`low-score`),
+    # in place of the healthy-chat flag threshold: a route that retrieves sees other traffic
+    # (`sparseguard eval retrieval --budget B` learns one on a QA set's fit half).
+    act_below: dict[str, float] = Field(default_factory=dict)
     retrieve_passages: int = Field(3, ge=1, le=20)
     passage_chars: int = Field(600, ge=50)  # each passage is cut to this many characters
     model_version: str | None = None  # pin a trust model; default: the latest for the model
     dir: Path | None = None  # trust models and evaluation records; default: <home>/trust
+
+    @field_validator("act_below")
+    @classmethod
+    def _route_scores(cls, value: dict[str, float]) -> dict[str, float]:
+        for route, score in value.items():
+            if route not in ROUTE_PATHS or not 0.0 <= score <= 1.0:
+                raise ValueError(
+                    f"act_below maps a route ({', '.join(ROUTE_PATHS)}) to a trust score in "
+                    f'[0, 1], e.g. {{"/v1/chat/completions": 0.35}}; got {route!r}: {score}'
+                )
+        return value
 
 
 class Settings(BaseSettings):

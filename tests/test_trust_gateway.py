@@ -169,3 +169,22 @@ def test_proxy_mode_re_asks_the_upstream_with_the_passages(tmp_path: Path) -> No
     assert "action=retrieve" in response.headers["x-ir-trust"]
     asked = [str(call["messages"]) for call in seen]
     assert len(asked) == 2 and FACT not in asked[0] and FACT in asked[1]
+
+
+def test_a_route_threshold_replaces_the_flag_threshold_for_that_route_only(
+    tmp_path: Path, engine: RecordingEngine
+) -> None:
+    """Every answer scores near 0; a chat route that acts only below 0 never finds it low,
+    while the Anthropic route, without a threshold of its own, still does."""
+    settings = settings_for(tmp_path, act_below={"/v1/chat/completions": 0.0})
+    with running_gateway(settings, engine, RecordingSink()) as url:
+        chat = ask(url)
+        anthropic = httpx.post(
+            f"{url}/v1/messages",
+            json={"model": "tiny-llama", "max_tokens": 6, "messages": [
+                {"role": "user", "content": QUESTION}]},
+            timeout=60,
+        )  # fmt: skip
+    assert chat.status_code == 200 and anthropic.status_code == 200, anthropic.text
+    assert "low-score" not in chat.headers["x-ir-trust"]
+    assert "low-score" in anthropic.headers["x-ir-trust"]

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from services.cli.retrieval_study import _policy
+from services.cli.retrieval_study import _policy, budget_threshold
 from services.cli.temperature_study import looped
 from services.cli.trust_study import _judged
 from sparse_engine.trust.evaluate import QARecord
@@ -66,6 +66,17 @@ def test_retrieval_policy_arithmetic() -> None:
     assert got["regenerated"] == 0.5 and got["gain_recovered"] is None  # always gains nothing
     assert got["curve"][0] == (0.0, 0.5) and got["curve"][2] == (0.5, 0.75)
     assert got["curve"][-1] == (1.0, got["always"])
+
+
+def test_a_route_threshold_regenerates_its_budget_of_the_answers_it_was_learned_on() -> None:
+    scores = [i / 100 for i in range(100)]
+    random.Random(1).shuffle(scores)
+    for budget in (0.1, 0.5, 0.9):
+        threshold = budget_threshold(scores, budget)
+        assert sum(s < threshold for s in scores) == round(budget * 100)
+    assert budget_threshold([0.4], 0.5) == 0.4  # one answer: nothing falls under it
+    with pytest.raises(ValueError, match="no answers"):
+        budget_threshold([], 0.5)
 
 
 def test_matrix_cells_report_the_best_baseline_in_its_better_direction() -> None:

@@ -226,6 +226,19 @@ def test_judge_reasons_and_header() -> None:
     assert acted.header().endswith("first=0.100; passages=2") and acted.score == 0.9
 
 
+def test_a_route_with_its_own_threshold_judges_the_score_by_it() -> None:
+    own = TrustSettings(min_score=0.3, act_below={"/v1/chat/completions": 0.95})
+    judge = TrustJudge(own, SignalSettings(), None)
+    calm = _stats([0.1, 0.1, 0.1, 0.1])  # scores 0.9: above the flag threshold, under 0.95
+    assert judge.assess(calm, "p", is_dense=False).reasons == ()
+    chat = judge.assess(calm, "p", is_dense=False, route="/v1/chat/completions")
+    assert chat.reasons == ("low-score",) and chat.low and chat.action == "flag"
+    assert not judge.assess(calm, "p", is_dense=False, route="/v1/messages").low
+    for bad in ({"/v1/chat/completion": 0.5}, {"/v1/messages": 1.5}):
+        with pytest.raises(ValueError, match="act_below maps a route"):
+            TrustSettings(act_below=bad)
+
+
 def _chat(api: str = "openai", stream: bool = False) -> ChatInput:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q?"}]
     endpoint = "chat" if api == "openai" else "messages"

@@ -5,7 +5,9 @@ never retrieving, always retrieving (the gateway's own prompt with the top passa
 retrieving only when the trust score falls under the level's flag threshold (the regenerated
 answer is the always-retrieve one: greedy decoding gives the same tokens), with the share of
 requests regenerated; and likewise for `simplify` against its own baseline. Also the whole
-trade-off: accuracy against the share regenerated, over every threshold."""
+trade-off: accuracy against the share regenerated, over every threshold; and the policies at a
+route threshold learned for a regeneration budget on the fit half's closed-book answers (the
+score under which that share of them falls), which `SPARSEGUARD_TRUST__ACT_BELOW` sets."""
 
 from __future__ import annotations
 
@@ -44,6 +46,12 @@ def register(commands: Any) -> None:
     cmd.add_argument("--level", default="balanced")
     cmd.add_argument("--k", type=int, default=3, help="passages per retrieval")
     cmd.add_argument("--max-new-tokens", type=int, default=32)
+    cmd.add_argument(
+        "--budget",
+        type=float,
+        default=0.5,
+        help="share of requests a route may regenerate: its threshold is learned on the fit half",
+    )
     cmd.add_argument("--model", help="model name, HF directory or GGUF file")
     cmd.add_argument("--json", action="store_true", help="print the figures as JSON")
     cmd.set_defaults(handler=run_retrieval)
@@ -52,6 +60,8 @@ def register(commands: Any) -> None:
 def run_retrieval(args: argparse.Namespace, settings: Settings) -> int:
     if args.n < 1 or args.k < 1:
         raise ValueError("--n and --k must be at least 1")
+    if not 0.0 < args.budget < 1.0:
+        raise ValueError("--budget is a share of requests, between 0 and 1 (e.g. 0.5)")
     level = Level.parse(args.level)
     items = load_qa(args.data, settings.cache_home)
     indices = qa_sample(items, "eval", args.n)
@@ -59,10 +69,13 @@ def run_retrieval(args: argparse.Namespace, settings: Settings) -> int:
     model = TrustStore(settings.trust_dir).latest(eng.lm.model_id, level.value, "serve")
     search = _knowledge_base(settings, args.data, items)
     closed = [QAItem(items[i].question, items[i].answers) for i in indices]
+    fit = [QAItem(items[i].question, items[i].answers) for i in qa_sample(items, "fit", args.n)]
 
-    def ask(name: str, prompt: Callable[[QAItem], list[Message]]) -> list[Answer]:
+    def ask(
+        name: str, prompt: Callable[[QAItem], list[Message]], asked: list[QAItem] = closed
+    ) -> list[Answer]:
         out = []
-        for item in tqdm(closed, unit="answer", desc=name):
+        for item in tqdm(asked, unit="answer", desc=name):
             out.append(_answer(eng, model, item, prompt(item), level, args.max_new_tokens))
         return out
 
@@ -73,6 +86,9 @@ def run_retrieval(args: argparse.Namespace, settings: Settings) -> int:
     )
     simple = ask("always simplify", lambda item: simplified(qa_messages(item)))
     threshold = model.flag_thresholds.get(level.value, settings.trust.min_score)
+    learned = budget_threshold(
+        [s for _, s in ask("fit half, closed book", qa_messages, fit)], args.budget
+    )
     figures = {
         "data": args.data,
         "n": len(indices),
@@ -81,6 +97,11 @@ def run_retrieval(args: argparse.Namespace, settings: Settings) -> int:
         "flag_threshold": threshold,
         "retrieve": _policy(never, always, threshold),
         "simplify": _policy(never, simple, threshold),
+        "budget": args.budget,
+        "fit_n": len(fit),
+        "route_threshold": learned,
+        "retrieve_at_budget": _policy(never, always, learned),
+        "simplify_at_budget": _policy(never, simple, learned),
     }
     if args.json:
         emit_json(figures)
@@ -103,6 +124,15 @@ def _answer(
     stats = eng.generate(request, level).result()
     score = model.score(from_stats(stats, messages[-1]["content"]))
     return grade(stats.text, item.answers).correct, score
+
+
+def budget_threshold(scores: list[float], budget: float) -> float:
+    """The score under which a share `budget` of `scores` falls (ties aside): a route that
+    acts below it regenerates about that share of traffic like these answers."""
+    ranked = sorted(scores)
+    if not ranked:
+        raise ValueError("no answers to learn a threshold from")
+    return ranked[min(int(budget * len(ranked)), len(ranked) - 1)]
 
 
 def _policy(first: list[Answer], second: list[Answer], threshold: float) -> dict[str, Any]:
@@ -165,10 +195,23 @@ def _print(f: dict[str, Any]) -> None:
         f"{f['trust_model']}, flag threshold {f['flag_threshold']:.3f}"
     )
     for action in ("retrieve", "simplify"):
-        p = f[action]
-        recovered = "n/a" if p["gain_recovered"] is None else f"{100 * p['gain_recovered']:.0f} %"
-        emit(
-            f"{action:<9} never {p['never']:.3f}  always {p['always']:.3f}  on low trust "
-            f"{p['on_low_trust']:.3f} ({100 * p['regenerated']:.0f} % regenerated; "
-            f"{recovered} of the gain)"
-        )
+        _print_policy(action, f[action])
+    emit(
+        f"route threshold {f['route_threshold']:.3f}: the score under which "
+        f"{100 * f['budget']:.0f} % of the fit half's {f['fit_n']} closed-book answers fall"
+    )
+    for action in ("retrieve", "simplify"):
+        _print_policy(action, f[f"{action}_at_budget"])
+    emit(
+        "to act at it: SPARSEGUARD_TRUST__ACT_BELOW="
+        f"'{{\"/v1/chat/completions\": {f['route_threshold']:.3f}}}'"
+    )
+
+
+def _print_policy(action: str, p: dict[str, Any]) -> None:
+    recovered = "n/a" if p["gain_recovered"] is None else f"{100 * p['gain_recovered']:.0f} %"
+    emit(
+        f"{action:<9} never {p['never']:.3f}  always {p['always']:.3f}  on low trust "
+        f"{p['on_low_trust']:.3f} ({100 * p['regenerated']:.0f} % regenerated; "
+        f"{recovered} of the gain)"
+    )

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from services.config import Settings
+from services.config import ROUTE_PATHS, Settings
 from services.gateway.inputs import ChatInput
 from services.storage.kb import Hit, search
 
@@ -15,11 +15,7 @@ if TYPE_CHECKING:
     from sqlalchemy import Engine as SqlEngine
     from sqlalchemy.orm import Session, sessionmaker
 
-ROUTES = {
-    "chat": "/v1/chat/completions",
-    "completions": "/v1/completions",
-    "messages": "/v1/messages",
-}
+ROUTES = dict(zip(("chat", "completions", "messages"), ROUTE_PATHS, strict=True))
 SIMPLIFY = "Answer in more basic language."
 RETRIEVED = "Use these passages from the knowledge base if they help you answer."
 

@@ -14,7 +14,7 @@ from opentelemetry.trace import SpanKind
 
 from services.gateway.engine_thread import EngineJob, QueueFullError
 from services.gateway.errors import ApiError
-from services.gateway.fallback import route_action, simplified, with_passages
+from services.gateway.fallback import ROUTES, route_action, simplified, with_passages
 from services.gateway.intake import Prepared
 from services.gateway.runtime import Runtime
 from services.gateway.tracing import child_span, span_parent
@@ -124,7 +124,8 @@ async def _answer(
     prompt = "\n".join(m["content"] for m in messages)
     async for item in answers:
         if isinstance(item, Answered):
-            trust = rt.trust.assess(item.stats, prompt, p.plan.is_dense)
+            route = ROUTES[p.chat.endpoint]
+            trust = rt.trust.assess(item.stats, prompt, p.plan.is_dense, route)
             yield Final(item.stats, trust, item.queue_s, item.engine_s)
         else:
             yield item

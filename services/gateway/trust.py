@@ -96,14 +96,19 @@ class TrustJudge:
         self.baseline = RollingBaseline(cfg.baseline_span, cfg.baseline_min_requests)
         self.book = book or BaselineBook(None)
 
-    def assess(self, stats: GenerationStats, prompt_text: str, is_dense: bool) -> Trust:
+    def assess(
+        self, stats: GenerationStats, prompt_text: str, is_dense: bool, route: str | None = None
+    ) -> Trust:
+        """`route`: the request's path; a route with its own threshold (`act_below`) judges the
+        score by it instead of the healthy-chat flag threshold."""
         sig = from_stats(stats, prompt_text)
         late = sig.late_silence(self.signals.late_band)
         model = self.per_level.get(stats.level, self.model)
         score = self._score(model, sig)
         z = self.baseline.z(stats.level, late)
         healthy = self.book.lookup(stats.calibration_version, stats.level)
-        flag_below = self.flag_below(model, healthy, stats.level)
+        own = self.cfg.act_below.get(route) if route is not None else None
+        flag_below = own if own is not None else self.flag_below(model, healthy, stats.level)
         reasons = trust_reasons(sig, score, self.signals, flag_below, is_dense, healthy, z)
         if stats.signals is not None:
             self.baseline.update(stats.level, late)
