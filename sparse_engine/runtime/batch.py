@@ -22,6 +22,7 @@ import torch
 
 from sparse_engine.runtime.fast_weights import Matrix
 from sparse_engine.runtime.fastpath import ROLES, FastDecoder, _rope
+from sparse_engine.sparsity import signals
 from sparse_engine.sparsity.readout import Readout
 from sparse_engine.sparsity.recorder import SignalRecorder
 
@@ -100,15 +101,15 @@ class BatchStep:
         for i, layer in enumerate(fast.layers):
             lim = limits[:, i]
             h = fast._norm(x, layer.attn_norm)
-            qkv = _project(layer.qkv, h, lim, sparse[i], tally.at(i))
+            qkv = _project(layer.qkv, h, lim, sparse[i], tally, i)
             att = self._attend(i, qkv, at, attention[:, i])
-            o = _project(layer.o, att, lim, sparse[i], tally.at(i))
+            o = _project(layer.o, att, lim, sparse[i], tally, i)
             x = x + fast._norm(o, layer.post_attn_norm)
             h = fast._norm(x, layer.mlp_norm)
-            gate, up = _project(layer.gate_up, h, lim, sparse[i], tally.at(i)).chunk(2, dim=-1)
+            gate, up = _project(layer.gate_up, h, lim, sparse[i], tally, i).chunk(2, dim=-1)
             a = fast._activation(gate) * up
             channels[:, i] = a.abs()
-            down = _project(layer.down, a, lim, sparse[i], tally.at(i))
+            down = _project(layer.down, a, lim, sparse[i], tally, i)
             x = x + fast._norm(down, layer.post_mlp_norm)
             if hidden is not None:
                 hidden[:, i] = x
@@ -186,7 +187,7 @@ class _Positions:
 
 
 def _project(
-    m: Matrix, x: torch.Tensor, limits: torch.Tensor, sparse: list[bool], tally: _LayerTally
+    m: Matrix, x: torch.Tensor, limits: torch.Tensor, sparse: list[bool], tally: _Tally, layer: int
 ) -> torch.Tensor:
     """x (B, in) through the fused matrix, each part at each row's threshold for its role
     (limits (B, roles), negative: dense; `sparse`: per role, whether any row sparsifies it),
@@ -207,15 +208,15 @@ def _project(
         magnitude = x.abs()
         kept = magnitude > limit[:, None]
         masked = x * kept
-        tally.add(on, parts, kept, magnitude, masked)
+        tally.add(layer, on * parts, kept, magnitude, masked)
         outputs.append(m.product(masked, begin, end))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 
 
 class _Tally:
     """Each row's signal counts of one step, as the hooks count them (per layer: zeroed,
-    total, kept-magnitude share, tokens; once per part): each sparse product's three sums are
-    kept as they come and combined in one pass at the end of the step."""
+    total, kept-magnitude share, tokens; once per part): each sparse product's sums are kept
+    as they come and combined in one pass at the end of the step."""
 
     def __init__(self) -> None:
         self.layers: list[int] = []
@@ -223,8 +224,19 @@ class _Tally:
         self.sums: list[torch.Tensor] = []  # (3, B): kept inputs, sum |x|, sum |kept x|
         self.widths: list[int] = []
 
-    def at(self, layer: int) -> _LayerTally:
-        return _LayerTally(self, layer)
+    def add(
+        self,
+        layer: int,
+        weight: torch.Tensor,
+        kept: torch.Tensor,
+        magnitude: torch.Tensor,
+        masked: torch.Tensor,
+    ) -> None:
+        self.layers.append(layer)
+        self.weights.append(weight.double())
+        self.widths.append(kept.shape[-1])
+        sums = [kept.sum(-1, dtype=magnitude.dtype), magnitude.sum(-1), masked.abs().sum(-1)]
+        self.sums.append(torch.stack(sums))
 
     def counts(self, rows: int, layers: int) -> torch.Tensor:
         """(rows, layers, 4) float64."""
@@ -232,30 +244,8 @@ class _Tally:
         if not self.layers:
             return counts
         kept, total, kept_abs = torch.stack(self.sums).unbind(1)  # (K, B) each
-        tiny = torch.finfo(total.dtype).tiny
-        share = torch.where(total > 0, kept_abs / total.clamp_min(tiny), 1.0).double()
+        share = signals.kept_share(kept_abs, total).double()
         on = torch.stack(self.weights)
         width = torch.tensor(self.widths, dtype=torch.float64)[:, None]
         values = torch.stack([on * (width - kept.double()), on * width, on * share, on], -1)
         return counts.index_add_(1, torch.tensor(self.layers), values.transpose(0, 1))
-
-
-@dataclass(slots=True)
-class _LayerTally:
-    tally: _Tally
-    layer: int
-
-    def add(
-        self,
-        on: torch.Tensor,
-        parts: int,
-        kept: torch.Tensor,
-        magnitude: torch.Tensor,
-        masked: torch.Tensor,
-    ) -> None:
-        t = self.tally
-        t.layers.append(self.layer)
-        t.weights.append(on.double() * parts)
-        t.widths.append(kept.shape[-1])
-        sums = [kept.sum(-1, dtype=magnitude.dtype), magnitude.sum(-1), masked.abs().sum(-1)]
-        t.sums.append(torch.stack(sums))

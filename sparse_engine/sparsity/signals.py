@@ -27,8 +27,12 @@ def zeroed_fraction(zeros: float, total: float) -> float:
 def kept_magnitude_share(magnitude: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     """Per-token share of |activation| the sparsifier kept: sum|kept| / sum|all| (last dim).
     `magnitude` is |x|, computed once by the caller."""
-    total = magnitude.sum(-1)
-    share = (magnitude * kept).sum(-1) / total.clamp_min(torch.finfo(magnitude.dtype).tiny)
+    return kept_share((magnitude * kept).sum(-1), magnitude.sum(-1))
+
+
+def kept_share(kept: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """sum|kept| / sum|all| from the two sums; 1 where nothing was there to keep."""
+    share = kept / total.clamp_min(torch.finfo(total.dtype).tiny)
     return torch.where(total > 0, share, torch.ones_like(share))
 
 
