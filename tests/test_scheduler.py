@@ -70,11 +70,11 @@ def family(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-def _engine(family: str, path: str) -> Engine:
+def _engine(family: str, path: str, dtype: str = "float32") -> Engine:
     engine = tiny_engine(cache=False, family=family)
     if path != "reference":
         native = kernels.load() if path == "native" else None
-        engine.enable_fast_path("float32", native, max_len=256)
+        engine.enable_fast_path(dtype, native, max_len=256)
         assert engine.fast is not None
     return engine
 
@@ -137,11 +137,16 @@ def _same(alone: GenerationStats, batched: GenerationStats) -> None:
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("path", ["native", "native-row-by-row", "fallback", "reference"])
+@pytest.mark.parametrize(
+    "path", ["native", "native-row-by-row", "fallback", "reference", "native-bfloat16"]
+)
 def test_batched_requests_match_the_same_requests_alone(
     family: str, path: str, scheduler: Scheduler
 ) -> None:
-    engine = _engine(family, path.removesuffix("-row-by-row"))
+    """bfloat16 weights: a batch's bfloat16 product (where the processor has one) and a row
+    alone on the compiled kernel both multiply the input rounded to bfloat16."""
+    base, _, dtype = path.removesuffix("-row-by-row").partition("-")
+    engine = _engine(family, base, dtype or "float32")
     if path.endswith("row-by-row"):  # each row's step on the compiled kernel, in its slot
         scheduler.batch_from = 99
     every_role = _every_role_plan(engine)

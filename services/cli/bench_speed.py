@@ -101,7 +101,7 @@ def run_speed(args: argparse.Namespace, settings: Settings) -> int:
     held_out = (
         evaluation_tokens(eng.lm.tokenizer, texts, args.quality_tokens).tolist() if texts else []
     )
-    max_len = max(len(ids) + args.new_tokens, len(held_out)) + 1
+    max_len = max(len(ids) + args.new_tokens, len(held_out) + len(eng.lm.bos_prefix)) + 1
     levels = [Level.DENSE, *(lv for lv in SPARSE_LEVELS if lv in eng.plans)]
     rows: list[SpeedRow] = []
     notes: list[str] = []
@@ -128,7 +128,11 @@ def run_speed(args: argparse.Namespace, settings: Settings) -> int:
             for level in levels:
                 tps, share = fast_speed(decoder, ids, eng, level, args.new_tokens, args.repeats)
                 bytes_read = decoder.weight_bytes(share)
-                ppl = fast_perplexity(decoder, held_out, eng.plan(level)) if held_out else None
+                ppl = (
+                    fast_perplexity(decoder, held_out, eng.plan(level), eng.lm.bos_prefix)
+                    if held_out
+                    else None
+                )
                 rows.append(SpeedRow(path, level.value, tps, bytes_read, bandwidth, dtype, ppl))
                 bar.update()
             del decoder

@@ -10,7 +10,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,10 +123,13 @@ def fast_speed(
     return statistics.median(runs), decoder.read_share
 
 
-def fast_perplexity(decoder: FastDecoder, ids: list[int], plan: SparsityPlan) -> float:
-    """Perplexity of `ids` teacher-forced one decode step at a time, as decoding runs."""
+def fast_perplexity(
+    decoder: FastDecoder, ids: list[int], plan: SparsityPlan, prefix: Sequence[int] = ()
+) -> float:
+    """Perplexity of `ids` teacher-forced one decode step at a time, as decoding runs, after
+    `prefix` (the model's <bos>, where it has one), as `evaluation.perplexity` scores."""
     decoder.reset()
-    logits = decoder.prefill(ids[:1], plan)
+    logits = decoder.prefill([*prefix, *ids[:1]], plan)
     nll = 0.0
     for token in ids[1:]:
         nll -= float(torch.log_softmax(logits.float(), -1)[token])

@@ -12,7 +12,9 @@ a masked probability of 0 times a NaN left in unwritten memory is still NaN).
 Which product: a row alone reads only its kept weight rows (the compiled kernel); B rows
 together read every weight row once and zero each row's dropped inputs (`x * kept @ W`), the
 hooks' computation. Per-row thresholds cost nothing there: the mask is elementwise anyway.
-`sparseguard bench batch-step` measures both for each batch size."""
+`sparseguard bench batch-step` measures both for each batch size. bfloat16 weights batch where
+the processor multiplies bfloat16 (AMX, AVX-512 BF16); both ways then round each product's
+input and result to bfloat16, so a row batched and alone get the same numbers."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparse_engine.runtime.fast_weights import Matrix
+from sparse_engine.runtime.fast_weights import BF16_PRODUCTS, Matrix
 from sparse_engine.runtime.fastpath import ROLES, FastDecoder, _rope
 from sparse_engine.sparsity import signals
 from sparse_engine.sparsity.readout import Readout
@@ -71,12 +73,18 @@ class KVSlots:
 
 
 class BatchStep:
-    """The batched decode step over a fast decoder's float32 weights and a slot cache."""
+    """The batched decode step over a fast decoder's float32 weights, or bfloat16 ones where
+    the processor multiplies bfloat16 (`fast_weights.BF16_PRODUCTS`), and a slot cache."""
 
     def __init__(self, slots: KVSlots) -> None:
         self.fast, self.kv = slots.fast, slots
-        if self.fast.dtype != "float32":
-            raise ValueError("the batched step multiplies float32 weights")
+        if not self.runs(self.fast.dtype):
+            raise ValueError(f"the batched step does not multiply {self.fast.dtype} weights here")
+
+    @staticmethod
+    def runs(dtype: str) -> bool:
+        """Whether a batched step multiplies `dtype` weights on this processor."""
+        return dtype == "float32" or (dtype == "bfloat16" and BF16_PRODUCTS)
 
     @torch.inference_mode()
     def __call__(self, rows: list[Row]) -> torch.Tensor:

@@ -20,6 +20,11 @@ from sparse_engine.model.loader import LoadedModel
 ONEDNN = bool(torch.backends.mkldnn.is_available()) and hasattr(  # type: ignore[no-untyped-call]
     torch.ops.mkldnn, "_linear_pointwise"
 )
+# Whether oneDNN multiplies bfloat16 natively here (AVX-512 BF16 or AMX): then bfloat16
+# weights multiply many rows as bfloat16 products, 3-8x faster than float32 for 16-1024 rows
+# on an AMX processor; elsewhere they are widened to float32 first. Either way, and in the row
+# kernel, a bfloat16 product rounds its input and its result to bfloat16 (float32 sums).
+BF16_PRODUCTS = ONEDNN and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 PACK_ROWS = 16  # the row count oneDNN lays the blocked copy out for (a batched step's)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -37,8 +42,8 @@ class Matrix:
     scale: torch.Tensor | None
     parts: tuple[tuple[str, int, int], ...]
     bias: torch.Tensor | None = None
-    # float32 on the CPU: the same weights in oneDNN's blocked layout, for products of many
-    # rows (prefills, batched steps); the row kernel reads `rows`.
+    # The same weights in oneDNN's blocked layout, for products of many rows (prefills,
+    # batched steps): float32, or bfloat16 where BF16_PRODUCTS; the row kernel reads `rows`.
     packed: torch.Tensor | None = None
 
     @classmethod
@@ -61,10 +66,13 @@ class Matrix:
                     for m, w in zip(modules.values(), weights, strict=True)
                 ]
             ).contiguous()
+        rows = rows.to(dtype)
         packed = None
-        if dtype == torch.float32 and ONEDNN and rows.device.type == "cpu":
+        if rows.device.type == "cpu" and (
+            (dtype == torch.float32 and ONEDNN) or (dtype == torch.bfloat16 and BF16_PRODUCTS)
+        ):
             packed = torch.ops.mkldnn._reorder_linear_weight(rows.T.contiguous(), PACK_ROWS)
-        return cls(rows.to(dtype), scale, tuple(parts), bias, packed)
+        return cls(rows, scale, tuple(parts), bias, packed)
 
     @property
     def nbytes(self) -> int:
@@ -73,18 +81,33 @@ class Matrix:
     def product(self, x: torch.Tensor, begin: int = 0, end: int | None = None) -> torch.Tensor:
         """x (n, in) through columns begin:end, with their bias: several rows at once (a
         prefill, a batched step). float32 goes through oneDNN where PyTorch has it, which
-        multiplied 2-3x faster than PyTorch's default BLAS on this machine's AMD processor
-        for 4 to 200 rows (`sparseguard bench batch-step`), from its blocked copy for the whole
-        matrix (1.1-2.6x faster again than the row view, and 2.6x for the 49152-column head:
-        the same numbers to float rounding), else from the row view as is."""
+        multiplied 2-3x faster than PyTorch's default BLAS on an AMD processor for 4 to 200
+        rows (`sparseguard bench batch-step`), from its blocked copy for the whole matrix
+        (1.1-2.6x faster again than the row view, and 2.6x for the 49152-column head: the
+        same numbers to float rounding), else from the row view as is. bfloat16 multiplies as
+        bfloat16 where the processor does (`BF16_PRODUCTS`), rounding input and sums to bfloat16
+        as the row kernel does; the result is float32."""
         end = self.rows.shape[1] if end is None else end
         bias = self.bias[begin:end] if self.bias is not None else None
-        if self.packed is not None and begin == 0 and end == self.rows.shape[1]:
+        whole = begin == 0 and end == self.rows.shape[1]
+        if self.rows.dtype == torch.bfloat16 and BF16_PRODUCTS and x.device.type == "cpu":
+            xb = x.to(torch.bfloat16)
+            y: torch.Tensor
+            if self.packed is not None and whole:
+                y = torch.ops.mkldnn._linear_pointwise(xb, self.packed, None, "none", [], "")
+            else:
+                y = xb @ self.rows[:, begin:end]
+            return y.float() if bias is None else y.float() + bias
+        if self.packed is not None and whole:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")  # type: ignore[no-any-return]
         if self.rows.dtype == torch.float32 and ONEDNN and x.device.type == "cpu":
             w = self.rows[:, begin:end].t()
             return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")  # type: ignore[no-any-return]
-        y = x @ self.float_rows()[:, begin:end]
+        if self.rows.dtype == torch.bfloat16:  # rounded as a bfloat16 product rounds
+            x = x.to(torch.bfloat16).float()
+            y = (x @ self.float_rows()[:, begin:end]).to(torch.bfloat16).float()
+        else:
+            y = x @ self.float_rows()[:, begin:end]
         return y if bias is None else y + bias
 
     def float_rows(self) -> torch.Tensor:

@@ -106,7 +106,7 @@ class Scheduler:
         self.engine = engine
         if engine.fast is not None:
             self._slots = KVSlots(engine.fast, self.max_batch)
-            if engine.fast.dtype == "float32":
+            if BatchStep.runs(engine.fast.dtype):
                 self._batched = BatchStep(self._slots)
 
     def submit(

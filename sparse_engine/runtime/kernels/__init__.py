@@ -7,8 +7,8 @@ below, and `Layers`, every decoder layer of one token in one call.
 
 `rows_matvec(x, w, scale, threshold, begin, end)` -> (y, rows read, sum |x| over them, sum |x|):
 y = sum of x_i * w[i, begin:end] over the rows whose |x_i| > threshold (every row when
-threshold < 0); w is input-major (in, out), float32, bfloat16, or int8 with one float32 scale
-per row."""
+threshold < 0); w is input-major (in, out), float32, bfloat16 (x and y are rounded to
+bfloat16, as a bfloat16 matrix product rounds them), or int8 with one float32 scale per row."""
 
 from __future__ import annotations
 
@@ -94,10 +94,13 @@ def torch_rows_matvec(
 
 
 def _product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w in float32; on a GPU, bfloat16 weights multiply as they are."""
-    if w.is_cuda and w.dtype == torch.bfloat16:
+    """x @ w in float32; bfloat16 weights multiply as a bfloat16 product (input and result
+    rounded to bfloat16, float32 sums), natively on a GPU."""
+    if w.dtype != torch.bfloat16:
+        return x @ w.to(torch.float32)
+    if w.is_cuda:
         return (x.to(w.dtype) @ w).float()
-    return x @ w.to(torch.float32)
+    return (x.to(w.dtype).float() @ w.float()).to(w.dtype).float()
 
 
 def load() -> Any | None:

@@ -2,7 +2,9 @@
 // stored input-major, W (in, out), y = sum_i x_i * W[i, :] over the inputs whose magnitude
 // passes the threshold, and only those rows are read. A negative threshold keeps every row,
 // which is a dense product with the same kernel. Weights are float32, bfloat16 or int8 with one
-// scale per row; activations and accumulation are float32. Threads split the output columns,
+// scale per row; activations and accumulation are float32, except that bfloat16 weights
+// multiply the input rounded to bfloat16 and round the sums to bfloat16, as the bfloat16
+// matrix product of a batch of rows does. Threads split the output columns,
 // so each reads its own slice of every kept row and no reduction is needed. A column range
 // [begin, end) multiplies one part of a fused matrix (q of a fused q/k/v, say).
 #include <torch/extension.h>
@@ -163,6 +165,7 @@ struct Matrix {
   Stats product(const float* x, double threshold, int64_t begin, int64_t end, float* y) const {
     const int64_t in = w.size(0), out = w.size(1);
     const float* s = w.scalar_type() == torch::kInt8 ? scale->data_ptr<float>() : nullptr;
+    const bool round = w.scalar_type() == torch::kBFloat16;
     std::vector<int64_t> rows;
     std::vector<float> coef;
     rows.reserve(in);
@@ -174,7 +177,7 @@ struct Matrix {
       stats.total_abs += magnitude;
       if (threshold < 0 || magnitude > limit) {
         rows.push_back(i);
-        coef.push_back(s ? x[i] * s[i] : x[i]);
+        coef.push_back(s ? x[i] * s[i] : round ? static_cast<float>(c10::BFloat16(x[i])) : x[i]);
         stats.kept_abs += magnitude;
       }
     }
@@ -189,6 +192,9 @@ struct Matrix {
         break;
       default:
         run(w.data_ptr<int8_t>(), out, begin, end, rows, coef, y);
+    }
+    if (round) {
+      for (int64_t j = 0; j < end - begin; ++j) y[j] = static_cast<float>(c10::BFloat16(y[j]));
     }
     if (bias.has_value()) {
       const float* b = bias->data_ptr<float>() + begin;
