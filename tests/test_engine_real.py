@@ -119,13 +119,13 @@ def test_fast_path_reuses_the_cached_prefix(fast_engine: Engine) -> None:
     # the whole prompt's: the matrix products round differently and down-projection inputs that
     # sit on their threshold fall the other way. Measured: 2e-4 of layer 25's sparsity on one
     # AVX-512 machine, 1.3e-3 of layers 27 and 29 on another (CI); silence within 1e-4 on
-    # both, then 1.3e-3 (2 of 1536 channels) in layers 27 and 29 on a third; gate confidence
-    # within 1e-5 on all.
+    # both, then 1.3e-3 (2 of 1536 channels) in layers 27 and 29 on a third, 2.0e-3 (3 of
+    # 1536) in layer 29 on a fourth (an AMX Xeon); gate confidence within 1e-5 on all.
     assert warm.signals.sparsity_per_layer == pytest.approx(
         cold.signals.sparsity_per_layer, abs=2.5e-3
     )
     assert warm.signals.silence_rate_per_layer == pytest.approx(
-        cold.signals.silence_rate_per_layer, abs=1.5e-3
+        cold.signals.silence_rate_per_layer, abs=2.5e-3
     )
     assert warm.signals.gate_confidence == pytest.approx(cold.signals.gate_confidence, abs=1e-5)
 
