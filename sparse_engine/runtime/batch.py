@@ -5,9 +5,11 @@ batch), into its own KV slot, with its own signals and readout.
 KV slots: one (layers, slots, kv heads, max_len, head dim) cache per engine, taken from the
 allocator unwritten and zeroed only as far as a step reads, so memory grows with the tokens
 sequences reach, not with `slots x max_len`. The rows of a batched step are slots 0 .. B-1
-(the scheduler keeps its sequences packed), so each layer's keys are one view, attended as
-one padded product with a per-row visibility mask (the padding must hold finite numbers:
-a masked probability of 0 times a NaN left in unwritten memory is still NaN).
+(the scheduler keeps its sequences packed), so each layer's keys are one view. With the
+compiled kernels each row attends over its own positions in its slot, with the code a row alone
+runs (`Layers.attend_rows`); without them, as one padded product with a per-row visibility
+mask (the padding must hold finite numbers: a masked probability of 0 times a NaN left in
+unwritten memory is still NaN).
 
 Which product: a row alone reads only its kept weight rows (the compiled kernel); B rows
 together read every weight row once and zero each row's dropped inputs (`x * kept @ W`), the
@@ -105,7 +107,7 @@ class BatchStep:
         prompt = torch.tensor([r.readout.prompt_len if r.readout else 0 for r in rows])
         end = int(pos.max()) + 1
         self.kv.readable([r.pos for r in rows], end)
-        at = _Positions.of(fast, pos, end, prompt if any(reading) else None)
+        at = _Positions.of(fast, pos, end, prompt, any(reading))
         for i, layer in enumerate(fast.layers):
             lim = limits[:, i]
             h = fast._norm(x, layer.attn_norm)
@@ -140,6 +142,16 @@ class BatchStep:
         row reads them."""
         fast, layer = self.fast, self.fast.layers[i]
         n, hd, kv = qkv.shape[0], fast.head_dim, fast.kv_heads
+        if fast.native is not None:  # each row over its own positions, as a row alone attends
+            out = torch.empty(n, fast.heads * hd)
+            read = torch.empty(n, fast.heads, 2, dtype=torch.float64) if at.reads else _NONE
+            fast._layers.attend_rows(
+                i, qkv.contiguous(), self.kv.keys[i], self.kv.values[i], *at.tables,
+                at.pos, at.prompt, out, read,
+            )  # fmt: skip
+            if at.reads:
+                stats.copy_(read)
+            return out
         q, k, v = torch.split(qkv, [fast.heads * hd, kv * hd, kv * hd], dim=-1)
         cos, sin = at.rope[layer.rope]
         q = _rope(fast._norm(q.view(n, fast.heads, hd), layer.q_norm), cos, sin)
@@ -158,6 +170,9 @@ class BatchStep:
         return out.reshape(n, fast.heads * hd)
 
 
+_NONE = torch.empty(0, dtype=torch.float64)
+
+
 @dataclass(slots=True)
 class _Positions:
     """What every layer of one batched step shares: the rows' positions, the rotary tables
@@ -169,18 +184,25 @@ class _Positions:
     end: int
     rope: list[tuple[torch.Tensor, torch.Tensor]]
     on_prompt: torch.Tensor | None
+    prompt: torch.Tensor  # (B,) int64: each row's prompt length (0 where it reads nothing)
+    tables: tuple[torch.Tensor, torch.Tensor]  # cos, sin (B, tables, head dim) at each row
     _hidden: dict[int, torch.Tensor]
 
     @classmethod
     def of(
-        cls, fast: FastDecoder, pos: torch.Tensor, end: int, prompt: torch.Tensor | None
+        cls, fast: FastDecoder, pos: torch.Tensor, end: int, prompt: torch.Tensor, reads: bool
     ) -> _Positions:
         key = torch.arange(end)[None]
         rope = [
             (fast.cos[pos, t][:, None], fast.sin[pos, t][:, None]) for t in range(fast.cos.shape[1])
         ]
-        on_prompt = (key < prompt[:, None])[:, None, None] if prompt is not None else None
-        return cls(torch.arange(len(pos)), pos, end, rope, on_prompt, {})
+        on_prompt = (key < prompt[:, None])[:, None, None] if reads else None
+        tables = (fast.cos[pos].contiguous(), fast.sin[pos].contiguous())
+        return cls(torch.arange(len(pos)), pos, end, rope, on_prompt, prompt, tables, {})
+
+    @property
+    def reads(self) -> bool:
+        return self.on_prompt is not None
 
     def hidden(self, window: int) -> torch.Tensor:
         """(B, 1, 1, end) True where a row's query cannot see the key."""

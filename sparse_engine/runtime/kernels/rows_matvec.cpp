@@ -371,6 +371,52 @@ class Layers {
     }
   }
 
+  // Layer l's attention for a batch of rows, each against its own slot of the scheduler's
+  // cache, exactly as `step` attends for one row, so no row reads another's padding. qkv (B,
+  // q + 2 kv) float32: each row's projections (q and k are normalised and rotated in place);
+  // keys, values (slots, kv_heads, max_len, head_dim): this layer's block of the slot cache,
+  // row b in slot b, written at its position; cos, sin (B, tables, head_dim) at each row's
+  // position; pos, prompt_len (B) int64; out (B, heads * head_dim); stats (B, heads, 2)
+  // float64, or empty for none.
+  void attend_rows(int64_t l, torch::Tensor qkv, torch::Tensor keys, torch::Tensor values,
+                   const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& pos,
+                   const torch::Tensor& prompt_len, torch::Tensor out, torch::Tensor stats) {
+    const int64_t rows = qkv.size(0), d = head_dim_, max_len = keys.size(2);
+    TORCH_CHECK(qkv.is_contiguous() && qkv.scalar_type() == torch::kFloat32 &&
+                    qkv.size(1) == (heads_ + 2 * kv_heads_) * d,
+                "qkv is contiguous float32 (rows, (heads + 2 kv heads) x head_dim)");
+    TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys.size(0) >= rows &&
+                    keys.size(1) == kv_heads_ && keys.size(3) == d &&
+                    values.sizes() == keys.sizes(),
+                "keys and values are one layer's contiguous (slots, kv_heads, max_len, head_dim)");
+    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 3 &&
+                    cos.size(0) == rows && cos.size(2) == d && sin.sizes() == cos.sizes(),
+                "cos and sin are contiguous (rows, tables, head_dim)");
+    TORCH_CHECK(pos.scalar_type() == torch::kInt64 && prompt_len.scalar_type() == torch::kInt64 &&
+                    pos.numel() == rows && prompt_len.numel() == rows,
+                "pos and prompt_len are int64 (rows,)");
+    TORCH_CHECK(out.is_contiguous() && out.numel() == rows * heads_ * d,
+                "out is contiguous (rows, heads x head_dim)");
+    const bool read = stats.numel() > 0;
+    TORCH_CHECK(!read || (stats.is_contiguous() && stats.scalar_type() == torch::kFloat64 &&
+                          stats.numel() == rows * heads_ * 2),
+                "stats is contiguous float64 (rows, heads, 2)");
+    const int64_t* at = pos.data_ptr<int64_t>();
+    const int64_t* prompt = prompt_len.data_ptr<int64_t>();
+    for (int64_t b = 0; b < rows; ++b) TORCH_CHECK(0 <= at[b] && at[b] < max_len, "the cache is full");
+    const int64_t slot = keys.stride(0), rope_at = ropes_[l] * d, row_tables = cos.size(1) * d;
+    at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+      for (int64_t b = r0; b < r1; ++b) {
+        attend(l, qkv.data_ptr<float>() + b * qkv.size(1),
+               cos.data_ptr<float>() + b * row_tables + rope_at,
+               sin.data_ptr<float>() + b * row_tables + rope_at,
+               keys.data_ptr<float>() + b * slot, values.data_ptr<float>() + b * slot, max_len,
+               at[b], out.data_ptr<float>() + b * heads_ * d,
+               read ? stats.data_ptr<double>() + b * heads_ * 2 : nullptr, prompt[b]);
+      }
+    });
+  }
+
  private:
   // x += y, normalised first where the family normalises a block's output.
   void residual(const torch::Tensor& post_norm, float* y, float* x, int64_t n) const {
@@ -467,7 +513,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Layers>(m, "Layers")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, bool>())
       .def("add", &Layers::add)
-      .def("step", &Layers::step, unlocked());
+      .def("step", &Layers::step, unlocked())
+      .def("attend_rows", &Layers::attend_rows, unlocked());
   m.def("rows_matvec", &rows_matvec, "y = sum of x_i * w[i] over |x_i| > threshold", unlocked(),
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scale"),
         pybind11::arg("threshold"), pybind11::arg("begin") = 0, pybind11::arg("end") = -1);
