@@ -17,6 +17,7 @@ import torch
 from sparse_engine.runtime import kernels
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.runtime.generation import GenerationRequest, GenerationStats
+from sparse_engine.runtime.sampling import sample_next
 from sparse_engine.runtime.scheduler import Scheduler
 from sparse_engine.runtime.scoring import Probe, score_many
 from sparse_engine.runtime.tickets import QueueFullError
@@ -317,3 +318,43 @@ def test_a_shared_prefix_is_reused_under_the_same_plan_only(scheduler: Scheduler
     assert first.result().cached_tokens == 0
     assert warm.result().cached_tokens > 0 and warm.result().token_ids == cold.token_ids
     assert other.result().cached_tokens == 0 and other.result().cache_mismatch
+
+
+def test_a_denormal_temperature_samples_the_top_token() -> None:
+    """A temperature just above 0 (the gateway accepts any float > 0) divides the logits past
+    float range: the choice is greedy, never a NaN probability."""
+    logits = torch.tensor([0.3, -0.2, 1.5, 1.4])
+    assert sample_next(logits, 5e-324, 5e-324, None) == 2
+    assert sample_next(logits, 1e-300, 1.0, None, top_k=2) == 2
+
+
+def test_a_request_whose_sampling_fails_fails_alone(
+    scheduler: Scheduler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error choosing one sequence's token (at its first token or in a batched step) fails
+    that request only; the others finish and the scheduler keeps serving."""
+    engine = _engine("llama", "native")
+
+    def sample(logits: torch.Tensor, temperature: float, *rest: Any) -> int:
+        if temperature == 0.5:
+            raise RuntimeError("sampling failed")
+        return int(logits.argmax())
+
+    monkeypatch.setattr("sparse_engine.runtime.sequence.sample", sample)
+    jobs: list[tuple[GenerationRequest, Any]] = [
+        (_request(0), Level.BALANCED),
+        (_request(1, temperature=0.5), Level.BALANCED),
+        (_request(2), Level.DENSE),
+    ]
+    scheduler.call(lambda: scheduler.attach(engine)).result()
+    gate = threading.Event()
+    scheduler.call(gate.wait)
+    sinks = [Collect() for _ in jobs]
+    for (request, level), sink in zip(jobs, sinks, strict=True):
+        scheduler.submit(request, level, sink)
+    gate.set()
+    assert sinks[1].over.wait(60) and isinstance(sinks[1].failure, RuntimeError)
+    assert sinks[0].result().completion_tokens == 6 and sinks[2].result().completion_tokens == 12
+    after = Collect()
+    scheduler.submit(_request(3), Level.BALANCED, after)
+    assert after.result().completion_tokens == 15

@@ -24,7 +24,9 @@ def sample_next(
 ) -> int:
     if temperature <= 0:
         return int(logits.argmax())
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    # Shifted so the largest is 0, in float64: no temperature above 0 overflows to NaN (a
+    # denormal one divides every other logit to -inf: greedy).
+    probs = torch.softmax((logits.double() - logits.max()) / temperature, dim=-1).float()
     if 0 < top_k < probs.shape[-1]:
         kth = probs.topk(top_k).values[-1]
         probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))

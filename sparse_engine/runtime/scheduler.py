@@ -222,7 +222,8 @@ class Scheduler:
                 engine.fast.unbind()
         live = _Live(ticket, seq, path, limits)
         (self._fast if limits is not None else self._reference).append(live)
-        self._accept(live, seq.prefilled.logits, 1)
+        if not self._accepted(live, seq.prefilled.logits, 1):
+            return None
         if seq.done:  # at its first token
             self._finish([live])
         return live
@@ -256,7 +257,7 @@ class Scheduler:
             if n:
                 logits = self._fast_step(fast)
                 for live, row in zip(fast, logits, strict=True):
-                    self._accept(live, row, n)
+                    self._accepted(live, row, n)
         except Exception as exc:
             log.error("a batched decode step failed", exc_info=exc)
             for live in fast:
@@ -294,6 +295,16 @@ class Scheduler:
             assert limits is not None, "fast-path sequences carry their threshold table"
             rows.append(Row(slot, seq.length, seq.token, limits, seq.recorder, seq.readout))
         return list(self._batched(rows))
+
+    def _accepted(self, live: _Live, logits: torch.Tensor, batch: int) -> bool:
+        """`_accept`, or the sequence fails alone (its sampling raised) and False."""
+        try:
+            self._accept(live, logits, batch)
+        except Exception as exc:
+            log.error("choosing a token failed", exc_info=exc)
+            self._fail(live, exc)
+            return False
+        return True
 
     def _accept(self, live: _Live, logits: torch.Tensor, batch: int) -> None:
         seq = live.seq
