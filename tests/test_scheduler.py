@@ -101,7 +101,17 @@ def scheduler() -> Iterator[Scheduler]:
 def _together(
     scheduler: Scheduler, engine: Engine, jobs: list[tuple[GenerationRequest, Any]]
 ) -> list[Collect]:
-    """Submit every job while the scheduler is held, so they are admitted at one boundary."""
+    """Submit every job while the scheduler is held, so they are admitted at one boundary,
+    and wait for them."""
+    sinks = _submit_together(scheduler, engine, jobs)
+    for sink in sinks:
+        sink.result()
+    return sinks
+
+
+def _submit_together(
+    scheduler: Scheduler, engine: Engine, jobs: list[tuple[GenerationRequest, Any]]
+) -> list[Collect]:
     scheduler.call(lambda: scheduler.attach(engine)).result()
     gate = threading.Event()
     scheduler.call(gate.wait)
@@ -109,8 +119,6 @@ def _together(
     for (request, level), sink in zip(jobs, sinks, strict=True):
         scheduler.submit(request, level, sink)
     gate.set()
-    for sink in sinks:
-        sink.result()
     return sinks
 
 
@@ -346,13 +354,7 @@ def test_a_request_whose_sampling_fails_fails_alone(
         (_request(1, temperature=0.5), Level.BALANCED),
         (_request(2), Level.DENSE),
     ]
-    scheduler.call(lambda: scheduler.attach(engine)).result()
-    gate = threading.Event()
-    scheduler.call(gate.wait)
-    sinks = [Collect() for _ in jobs]
-    for (request, level), sink in zip(jobs, sinks, strict=True):
-        scheduler.submit(request, level, sink)
-    gate.set()
+    sinks = _submit_together(scheduler, engine, jobs)
     assert sinks[1].over.wait(60) and isinstance(sinks[1].failure, RuntimeError)
     assert sinks[0].result().completion_tokens == 6 and sinks[2].result().completion_tokens == 12
     after = Collect()
