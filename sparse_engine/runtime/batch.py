@@ -193,11 +193,9 @@ class _Positions:
         cls, fast: FastDecoder, pos: torch.Tensor, end: int, prompt: torch.Tensor, reads: bool
     ) -> _Positions:
         key = torch.arange(end)[None]
-        rope = [
-            (fast.cos[pos, t][:, None], fast.sin[pos, t][:, None]) for t in range(fast.cos.shape[1])
-        ]
-        on_prompt = (key < prompt[:, None])[:, None, None] if reads else None
         tables = (fast.cos[pos].contiguous(), fast.sin[pos].contiguous())
+        rope = [(tables[0][:, t, None], tables[1][:, t, None]) for t in range(fast.cos.shape[1])]
+        on_prompt = (key < prompt[:, None])[:, None, None] if reads else None
         return cls(torch.arange(len(pos)), pos, end, rope, on_prompt, prompt, tables, {})
 
     @property

@@ -16,6 +16,7 @@ import torch
 
 from sparse_engine.model.arch import UnsupportedModelError
 from sparse_engine.model.loader import LoadedModel
+from sparse_engine.runtime.kernels import weight_product
 
 ONEDNN = bool(torch.backends.mkldnn.is_available()) and hasattr(  # type: ignore[no-untyped-call]
     torch.ops.mkldnn, "_linear_pointwise"
@@ -104,8 +105,7 @@ class Matrix:
             w = self.rows[:, begin:end].t()
             return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")  # type: ignore[no-any-return]
         if self.rows.dtype == torch.bfloat16:  # rounded as a bfloat16 product rounds
-            x = x.to(torch.bfloat16).float()
-            y = (x @ self.float_rows()[:, begin:end]).to(torch.bfloat16).float()
+            y = weight_product(x, self.rows[:, begin:end])
         else:
             y = x @ self.float_rows()[:, begin:end]
         return y if bias is None else y + bias

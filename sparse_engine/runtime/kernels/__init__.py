@@ -87,13 +87,13 @@ def torch_rows_matvec(
     magnitude = x.abs()
     total = float(magnitude.sum())
     if threshold < 0:
-        return _product(coef, columns), x.shape[0], total, total
+        return weight_product(coef, columns), x.shape[0], total, total
     index = (magnitude > threshold).nonzero().squeeze(1)
-    y = _product(coef[index], columns.index_select(0, index))
+    y = weight_product(coef[index], columns.index_select(0, index))
     return y, index.numel(), float(magnitude[index].sum()), total
 
 
-def _product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def weight_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w in float32; bfloat16 weights multiply as a bfloat16 product (input and result
     rounded to bfloat16, float32 sums), natively on a GPU."""
     if w.dtype != torch.bfloat16:
