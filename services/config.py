@@ -24,6 +24,9 @@ class EngineSettings(BaseModel):
     calibration_samples: int = Field(100, ge=1)
     heldout_tokens: int = Field(4096, ge=64)
     seq_len: int = Field(256, ge=16)
+    # Tokens of the pass that measures each layer's sensitivity (one forward pass per layer
+    # and role: about a third of a recalibration on 2 cores at the default).
+    sensitivity_tokens: int = Field(256, ge=16)
     threads: int | None = Field(None, ge=1, description="torch intra-op threads")
     drift_sample_rate: float = Field(0.1, ge=0.0, le=1.0, description="share of requests with KL")
     prefix_cache_entries: int = Field(32, ge=0)

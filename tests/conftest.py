@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from services.telemetry.broker import Broker
 from sparse_engine.calibration.pipeline import CalibrationConfig, calibrate, prepare_data
@@ -42,12 +44,38 @@ def smollm(home: Path) -> LoadedModel:
 def calibrated_store(
     smollm: LoadedModel, home: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> CalibrationStore:
-    """A balanced calibration of SmolLM2 on Wikipedia, in a store private to the session."""
-    data = prepare_data(smollm.tokenizer, load_texts("wiki", home), CI_CALIBRATION, "wiki")
+    """A balanced calibration of SmolLM2 on Wikipedia, in a store private to the session.
+    Computing it takes about 2 minutes on 2 cores, so it is kept in the shared cache under a
+    key of everything that decides it: the weights, the configuration, torch's version and
+    every file of `sparse_engine` (any change to the engine's code computes it afresh)."""
     store = CalibrationStore(tmp_path_factory.mktemp("calibrations"))
-    for cal in calibrate(smollm, data, [Level.BALANCED], CI_CALIBRATION):
+    cached = home / "test-calibrations" / _calibration_key(smollm)
+    if not cached.is_dir():
+        texts = load_texts("wiki", home)
+        data = prepare_data(smollm.tokenizer, texts, CI_CALIBRATION, "wiki")
+        fresh = CalibrationStore(tmp_path_factory.mktemp("fresh-calibrations"))
+        for cal in calibrate(smollm, data, [Level.BALANCED], CI_CALIBRATION):
+            fresh.save(cal)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        staged = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
+        shutil.copytree(fresh.root, staged)
+        try:
+            staged.rename(cached)  # atomic; another run that got there first wins
+        except OSError:
+            shutil.rmtree(staged)
+    for cal in CalibrationStore(cached).list():
         store.save(cal)
     return store
+
+
+def _calibration_key(lm: LoadedModel) -> str:
+    digest = hashlib.sha256(f"{lm.weights_sha256} {CI_CALIBRATION} {torch.__version__}".encode())
+    engine = Path(__file__).resolve().parents[1] / "sparse_engine"
+    for path in sorted(engine.rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts:
+            digest.update(str(path.relative_to(engine)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:24]
 
 
 @pytest.fixture

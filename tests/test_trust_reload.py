@@ -37,7 +37,7 @@ from services.workers.jobs import ClaimedJob
 from services.workers.trust_fit import fit_trust
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.sparsity.plan import Level
-from sparse_engine.trust.evaluate import answer
+from sparse_engine.trust.evaluate import answer_all
 from sparse_engine.trust.features import RequestSignals
 from sparse_engine.trust.model import TrustModel, TrustStore, fit
 from sparse_engine.trust.qa import QAItem, load_qa, normalise_answer, qa_sample
@@ -161,14 +161,12 @@ def test_gateway_scores_by_the_rule_until_a_published_trust_model_arrives(
 
 def qa_items(engine: Engine, n: int, max_new_tokens: int) -> list[QAItem]:
     """Items the engine answers right (its own answer is the gold one) and wrong, alternately."""
-    items = []
-    for i in range(n):
-        item = QAItem(f"Question number {i}?", ("zzqx never said",))
-        said = answer(engine, item, i, Level.DENSE, max_new_tokens).answer
-        if i % 2 == 0 and normalise_answer(said):
-            item = QAItem(item.question, (said,))
-        items.append(item)
-    return items
+    asked = [QAItem(f"Question number {i}?", ("zzqx never said",)) for i in range(n)]
+    said = [r.answer for r in answer_all(engine, asked, range(n), Level.DENSE, max_new_tokens)]
+    return [
+        QAItem(item.question, (text,)) if i % 2 == 0 and normalise_answer(text) else item
+        for i, (item, text) in enumerate(zip(asked, said, strict=True))
+    ]
 
 
 def write_qa(path: Path, items: list[QAItem]) -> Path:

@@ -27,6 +27,7 @@ def job_env(state: Path, cache: Path, **settings: str | int | float) -> dict[str
         # Small enough for CI: a recalibration of one level takes seconds, not minutes.
         "SPARSEGUARD_ENGINE__CALIBRATION_SAMPLES": "8",
         "SPARSEGUARD_ENGINE__HELDOUT_TOKENS": "512",
+        "SPARSEGUARD_ENGINE__SENSITIVITY_TOKENS": "64",
         # and its baseline pass a couple of requests per kind of traffic, a few tokens each
         "SPARSEGUARD_ENGINE__BASELINE_REQUESTS": "10",
         "SPARSEGUARD_ENGINE__BASELINE_MAX_NEW_TOKENS": "4",

@@ -73,6 +73,7 @@ def run_calibrate(args: argparse.Namespace, settings: Settings) -> int:
     cfg = CalibrationConfig(
         samples=args.samples or settings.engine.calibration_samples,
         seq_len=settings.engine.seq_len,
+        sensitivity_tokens=settings.engine.sensitivity_tokens,
         heldout_tokens=args.heldout_tokens or settings.engine.heldout_tokens,
         sparsifier=args.sparsifier,
         roles=tuple(r.strip() for r in args.roles.split(",") if r.strip()),

@@ -24,6 +24,7 @@ from services.workers.golden_score import LevelDrift, summarize
 from services.workers.golden_set import SHORT_METRIC, GoldenItem, write_golden
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.runtime.generation import GenerationRequest, GenerationStats
+from sparse_engine.runtime.offline import generate_all
 from sparse_engine.sparsity.plan import Level, SparsityPlan
 
 log = logging.getLogger(__name__)
@@ -36,15 +37,8 @@ SHORT_ANSWER_TOKENS = 24
 # --- building references ---------------------------------------------------------------------
 
 
-def answer(
-    engine: Engine,
-    prompt: str,
-    level: Level | SparsityPlan,
-    max_new_tokens: int,
-    measure_drift: bool = False,
-) -> GenerationStats:
-    """The greedy answer to one user turn, uncached, without per-layer signals."""
-    request = GenerationRequest(
+def _request(prompt: str, max_new_tokens: int, measure_drift: bool = False) -> GenerationRequest:
+    return GenerationRequest(
         messages=[{"role": "user", "content": prompt}],
         max_new_tokens=max_new_tokens,
         temperature=0.0,
@@ -52,7 +46,6 @@ def answer(
         collect_signals=False,
         use_prefix_cache=False,
     )
-    return engine.generate(request, level).result()
 
 
 def freeze(
@@ -64,13 +57,12 @@ def freeze(
     """Golden items whose references are the dense model's greedy answers (for a set an
     operator builds from their own prompts; the default set uses external references)."""
     source = f"dense:{engine.lm.model_id}"
-    items = []
-    for pid, prompt in prompts:
-        text = answer(engine, prompt, Level.DENSE, max_new_tokens).text
-        items.append(GoldenItem(pid, prompt, text, source))
-        if progress is not None:
-            progress(1)
-    return items
+    jobs = [(_request(prompt, max_new_tokens), Level.DENSE) for _, prompt in prompts]
+    found = generate_all(engine, jobs, progress=progress or _ignore)
+    return [
+        GoldenItem(pid, prompt, stats.text, source)
+        for (pid, prompt), stats in zip(prompts, found, strict=True)
+    ]
 
 
 def ensure_default_golden(settings: Settings) -> Path:
@@ -171,13 +163,15 @@ def _answers(
     max_new_tokens: int,
     progress: Progress | None,
 ) -> list[GenerationStats]:
-    out = []
-    for item in items:
-        budget = answer_tokens(item, max_new_tokens)
-        out.append(answer(engine, item.prompt, level, budget, level is not Level.DENSE))
-        if progress is not None:
-            progress(1)
-    return out
+    """Every item's answer, batched as served (`runtime.offline`): the same items make the
+    same batches under every plan."""
+    drift = level is not Level.DENSE
+    jobs = [(_request(i.prompt, answer_tokens(i, max_new_tokens), drift), level) for i in items]
+    return generate_all(engine, jobs, progress=progress or _ignore)
+
+
+def _ignore(_: int) -> None:
+    pass
 
 
 def _warn_dense_references(items: Sequence[GoldenItem], model_id: str) -> None:

@@ -88,6 +88,7 @@ def _calibrate(
     cfg = CalibrationConfig(
         samples=settings.engine.calibration_samples,
         seq_len=settings.engine.seq_len,
+        sensitivity_tokens=settings.engine.sensitivity_tokens,
         heldout_tokens=settings.engine.heldout_tokens,
     )
     data = _data(settings, sessions, lm, cfg)

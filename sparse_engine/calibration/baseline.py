@@ -20,6 +20,7 @@ from typing import Any
 from sparse_engine.data.traffic import Prompt
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.runtime.generation import GenerationRequest, GenerationStats
+from sparse_engine.runtime.offline import generate_all
 from sparse_engine.sparsity.plan import Level
 from sparse_engine.sparsity.signals import LATE_BAND, late_silence
 
@@ -155,19 +156,23 @@ def run_prompts(
     progress: Callable[[int], None] | None = None,
 ) -> list[GenerationStats]:
     """Each prompt's greedy answer at `level`, with its signals, as the gateway asks for them
-    (the prefix cache on, so shared prefixes hit as they do when served)."""
-    found = []
-    for prompt in prompts:
-        request = GenerationRequest(
-            messages=prompt.messages(),
+    and serves them: batched (`runtime.offline`), the prefix cache on, so shared prefixes hit
+    as they do when served."""
+    drift = measure_drift and level is not Level.DENSE
+    requests = [
+        GenerationRequest(
+            messages=p.messages(),
             max_new_tokens=max_new_tokens,
             temperature=0.0,
-            measure_drift=measure_drift and level is not Level.DENSE,
+            measure_drift=drift,
         )
-        found.append(engine.generate(request, level).result())
-        if progress is not None:
-            progress(1)
-    return found
+        for p in prompts
+    ]
+    return generate_all(engine, [(r, level) for r in requests], progress=progress or _ignore)
+
+
+def _ignore(_: int) -> None:
+    pass
 
 
 def summarise(

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.runtime.generation import GenerationRequest
+from sparse_engine.runtime.offline import generate_all
 from sparse_engine.sparsity.plan import Level
 from sparse_engine.sparsity.readout import AnswerReadout
 from sparse_engine.trust.features import RequestSignals, from_stats
@@ -73,21 +74,39 @@ class RecordSet:
         return {r.index: r for r in map(QARecord.from_json, filter(None, lines))}
 
 
-def answer(engine: Engine, item: QAItem, index: int, level: Level, max_new_tokens: int) -> QARecord:
-    """Greedy answer at `level`, with drift measured, graded against the gold answers."""
-    messages = qa_messages(item)
-    request = GenerationRequest(
-        messages=messages,
+def answer_all(
+    engine: Engine,
+    items: Sequence[QAItem],
+    indices: Sequence[int],
+    level: Level,
+    max_new_tokens: int,
+) -> list[QARecord]:
+    """Greedy answers at `level` to `items[i]` for i in `indices`, batched as served
+    (`runtime.offline`), with drift measured, graded against the gold answers."""
+    jobs = [(_request(items[i], max_new_tokens), level) for i in indices]
+    records = []
+    for index, stats in zip(indices, generate_all(engine, jobs), strict=True):
+        item = items[index]
+        g = grade(stats.text, item.answers)
+        signals = from_stats(stats, qa_messages(item)[0]["content"])
+        inside = in_passage(stats.text, item)
+        records.append(
+            QARecord(index, stats.text, g.contains, g.f1, g.correct, signals, g.exact, inside)
+        )
+    return records
+
+
+def _request(item: QAItem, max_new_tokens: int) -> GenerationRequest:
+    return GenerationRequest(
+        messages=qa_messages(item),
         max_new_tokens=max_new_tokens,
         measure_drift=True,
         use_prefix_cache=False,
         readout=True,
     )
-    stats = engine.generate(request, level).result()
-    g = grade(stats.text, item.answers)
-    signals = from_stats(stats, messages[0]["content"])
-    inside = in_passage(stats.text, item)
-    return QARecord(index, stats.text, g.contains, g.f1, g.correct, signals, g.exact, inside)
+
+
+CHUNK = 32  # answers batched at once and then appended (an interrupted run loses at most these)
 
 
 def collect(
@@ -102,14 +121,15 @@ def collect(
     and appended as they come, so an interrupted run resumes where it stopped."""
     cached = records.load()
     records.path.parent.mkdir(parents=True, exist_ok=True)
-    out = []
+    missing = [i for i in indices if i not in cached]
+    progress(len(indices) - len(missing))
     with records.path.open("a", encoding="utf-8") as sink:
-        for index in indices:
-            record = cached.get(index)
-            if record is None:
-                record = answer(engine, items[index], index, level, records.max_new_tokens)
+        for start in range(0, len(missing), CHUNK):
+            for record in answer_all(
+                engine, items, missing[start : start + CHUNK], level, records.max_new_tokens
+            ):
                 sink.write(record.to_json() + "\n")
-                sink.flush()
-            out.append(record)
-            progress(1)
-    return out
+                cached[record.index] = record
+            sink.flush()
+            progress(len(missing[start : start + CHUNK]))
+    return [cached[i] for i in indices]
