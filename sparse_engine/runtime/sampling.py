@@ -5,6 +5,7 @@ sequence."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 
 import torch
@@ -22,7 +23,7 @@ def sample_next(
     generator: torch.Generator | None,
     top_k: int = 0,
 ) -> int:
-    if temperature <= 0:
+    if temperature < sys.float_info.min:  # 0, or denormal (0 where denormals are flushed)
         return int(logits.argmax())
     # Shifted so the largest is 0, in float64: no temperature above 0 overflows to NaN (a
     # denormal one divides every other logit to -inf: greedy).
