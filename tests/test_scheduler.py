@@ -16,7 +16,6 @@ import torch
 
 from sparse_engine.runtime import kernels
 from sparse_engine.runtime.engine import Engine
-from sparse_engine.runtime.floats import flushed_denormals, flushing
 from sparse_engine.runtime.generation import GenerationRequest, GenerationStats
 from sparse_engine.runtime.sampling import sample_next
 from sparse_engine.runtime.scheduler import Scheduler
@@ -335,24 +334,6 @@ def test_a_denormal_temperature_samples_the_top_token() -> None:
     logits = torch.tensor([0.3, -0.2, 1.5, 1.4])
     assert sample_next(logits, 5e-324, 5e-324, None) == 2
     assert sample_next(logits, 1e-300, 1.0, None, top_k=2) == 2
-    with flushed_denormals():  # as on the scheduler's thread
-        assert sample_next(logits, 5e-324, 5e-324, None) == 2
-        assert sample_next(logits, 1e-300, 1.0, None, top_k=2) == 2
-
-
-def test_the_scheduler_thread_flushes_denormals_and_the_caller_keeps_its_own() -> None:
-    scheduler = Scheduler()
-    try:
-        assert scheduler.call(flushing).result(timeout=10)
-    finally:
-        scheduler.close()
-    assert not flushing()
-    with flushed_denormals():
-        assert flushing()
-        with flushed_denormals():
-            pass
-        assert flushing()  # an inner scope puts back what it found
-    assert not flushing()
 
 
 def test_a_request_whose_sampling_fails_fails_alone(

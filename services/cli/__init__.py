@@ -35,7 +35,6 @@ from services.cli import (
     up,
 )
 from services.config import Settings
-from sparse_engine.runtime.floats import flushed_denormals
 
 log = logging.getLogger("sparseguard")
 Handler = Callable[[argparse.Namespace, Settings], int]
@@ -89,8 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             logging.getLogger(noisy).setLevel(logging.WARNING)
     handler: Handler = args.handler
     try:
-        with flushed_denormals():  # as the gateway's engine thread runs (`runtime.floats`)
-            return handler(args, settings)
+        return handler(args, settings)
     except (ValueError, LookupError, OSError) as exc:
         log.debug("command failed", exc_info=True)
         sys.stderr.write(f"sparseguard: error: {exc}\n")

@@ -5,7 +5,6 @@ sequence."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 
 import torch
@@ -23,7 +22,7 @@ def sample_next(
     generator: torch.Generator | None,
     top_k: int = 0,
 ) -> int:
-    if temperature < sys.float_info.min:  # 0, or denormal (0 where denormals are flushed)
+    if temperature <= 0:
         return int(logits.argmax())
     # Shifted so the largest is 0, in float64: no temperature above 0 overflows to NaN (a
     # denormal one divides every other logit to -inf: greedy).

@@ -27,7 +27,6 @@ import torch
 
 from sparse_engine.runtime.batch import BatchStep, KVSlots, Row
 from sparse_engine.runtime.engine import Engine
-from sparse_engine.runtime.floats import flushed_denormals
 from sparse_engine.runtime.generation import GenerationRequest
 from sparse_engine.runtime.prefill import FastKV, ReferenceKV
 from sparse_engine.runtime.scoring import Probe
@@ -160,10 +159,6 @@ class Scheduler:
             self._pending -= 1
 
     def _loop(self) -> None:
-        with flushed_denormals():  # per thread (`runtime.floats`): twice as fast decoding
-            self._serve()
-
-    def _serve(self) -> None:
         while True:
             block = not self.running and not self._waiting and not self._probes
             try:
