@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from sparse_engine.data.traffic import Prompt
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.runtime.generation import GenerationRequest
+from sparse_engine.runtime.offline import generate_all
 from sparse_engine.runtime.scoring import score_answer
 from sparse_engine.sparsity.plan import Level
 from sparse_engine.trust.features import RequestSignals, from_stats
@@ -31,7 +32,7 @@ def healthy_signals(
     """The trust signals of greedy answers to healthy prompts, measured as the gateway does:
     generated (serve mode), or generated, then scored teacher-forced as proxy mode scores an
     upstream's answer."""
-    found = []
+    runnable = []
     for prompt in prompts:
         request = GenerationRequest(
             messages=prompt.messages(),
@@ -39,15 +40,22 @@ def healthy_signals(
             measure_drift=True,
             readout=mode == "serve",
         )
-        if progress is not None:
-            progress(1)
         try:
-            stats = engine.generate(request, level).result()
-            if mode == "proxy":
-                stats = score_answer(engine, prompt.messages(), stats.text, level, True, True)
+            engine.check_length(len(engine.encode(request)[0]), max_new_tokens)
         except ValueError as exc:  # a prompt longer than the model's context: not its traffic
             log.info("healthy prompt skipped: %s", exc)
             continue
+        runnable.append((prompt, request))
+    jobs = [(request, level) for _, request in runnable]
+    answers = generate_all(engine, jobs, progress=progress or (lambda _: None))  # batched
+    found = []
+    for (prompt, _), stats in zip(runnable, answers, strict=True):
+        if mode == "proxy":
+            try:
+                stats = score_answer(engine, prompt.messages(), stats.text, level, True, True)
+            except ValueError as exc:  # prompt and answer past the model's context
+                log.info("healthy answer skipped: %s", exc)
+                continue
         found.append(from_stats(stats, prompt.text))
     return found
 
