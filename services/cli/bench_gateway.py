@@ -45,6 +45,12 @@ def register(bench: Any) -> None:
     g.add_argument(
         "--load-requests", type=int, default=0, help="requests per load run (0: 2 per client, 16+)"
     )
+    g.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="load runs per client count, interleaved; each count reports its median round",
+    )
     g.add_argument("--json", action="store_true")
     g.set_defaults(handler=run_gateway_bench)
 
@@ -100,7 +106,11 @@ def run_gateway_bench(args: argparse.Namespace, settings: Settings) -> int:
         stats = rt.worker.call(lambda: _generated(rt.engine, request, level)).result()
         stages = _stages(rt, client, url, body, stats)
         rss_before = peak_rss_mb()
-        loads = run_loads(rt, level, clients, args.load_tokens, args.load_requests, settings)
+        if args.rounds < 1:
+            raise ValueError("--rounds must be at least 1")
+        loads = run_loads(
+            rt, level, clients, args.load_tokens, args.load_requests, settings, args.rounds
+        )
     report: dict[str, Any] = {
         "direct_ms": _percentiles(direct),
         "gateway_ms": _percentiles(via),

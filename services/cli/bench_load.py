@@ -245,10 +245,15 @@ def run_loads(
     tokens: int,
     requests: int,
     settings: Settings,
+    rounds: int = 1,
 ) -> dict[str, Any]:
     """Each client count against the gateway (its own process, as deployed: a client in the
     same process would take the interpreter lock from its engine thread), the engine alone
-    (the scheduler of `rt`, in this process) and llama.cpp's server."""
+    (the scheduler of `rt`, in this process) and llama.cpp's server. With `rounds` > 1 the
+    gateway's and the engine's client counts run that many times, interleaved (1, 16, 1, 16,
+    ...), so that a machine whose speed drifts weighs on every count alike: each count's row
+    is its median round by tok/s, and `round_ratios` pairs each round with the first count's
+    run of the same round."""
     count = max(requests, 2 * max(clients), 16)
     prompts = healthy("chat", settings.cache_home, "evaluation", count)
 
@@ -271,16 +276,14 @@ def run_loads(
     limits = httpx.Limits(max_connections=max(clients) + 4)
     with httpx.Client(limits=limits) as client:
         with gateway_process(max(clients)) as (url, process):
-            for n, total in sizes:
-                log.info("load: gateway, %d clients, %d requests", n, total)
-                got = run_clients(lambda i: stream_openai(client, url, body(i)), n, total)
-                out["gateway"].append(summarise("gateway", n, *got).to_dict())
+            out["gateway"] = _rounds(
+                "gateway", sizes, rounds, lambda i: stream_openai(client, url, body(i))
+            )
             out["gateway_peak_rss_mb"] = peak_rss_of(process.pid)
         scheduler = rt.worker.scheduler
-        for n, total in sizes:
-            log.info("load: engine alone, %d clients, %d requests", n, total)
-            got = run_clients(lambda i: engine_alone(scheduler, request(i), level), n, total)
-            out["engine"].append(summarise("engine alone", n, *got).to_dict())
+        out["engine"] = _rounds(
+            "engine alone", sizes, rounds, lambda i: engine_alone(scheduler, request(i), level)
+        )
         binary = llama_server_binary()
         if binary is None:
             out["llama_server"] = "absent: `make llama-server` builds it"
@@ -293,6 +296,28 @@ def run_loads(
                 got = run_clients(lambda i: stream_openai(client, served, body(i)), n, total)
             out["llama_server"].append(summarise("llama.cpp server", n, *got).to_dict())
     return out
+
+
+def _rounds(
+    target: str, sizes: list[tuple[int, int]], rounds: int, send: Callable[[int], Sample]
+) -> list[dict[str, Any]]:
+    """Per client count, its median round's row (by tok/s), every round's tok/s and its ratio
+    to the first count's in the same round."""
+    runs: list[list[LoadRow]] = [[] for _ in sizes]
+    for r in range(rounds):
+        for k, (n, total) in enumerate(sizes):
+            log.info("load: %s, %d clients, %d requests, round %d", target, n, total, r + 1)
+            runs[k].append(summarise(target, n, *run_clients(send, n, total)))
+    rows = []
+    for found in runs:
+        row = sorted(found, key=lambda run: run.tokens_per_s)[(len(found) - 1) // 2].to_dict()
+        row["round_tokens_per_s"] = [run.tokens_per_s for run in found]
+        row["round_ratios"] = [
+            round(run.tokens_per_s / first.tokens_per_s, 2) if first.tokens_per_s else None
+            for run, first in zip(found, runs[0], strict=True)
+        ]
+        rows.append(row)
+    return rows
 
 
 @contextmanager
@@ -353,8 +378,12 @@ def print_loads(loads: dict[str, Any]) -> None:
         )
     one = loads["gateway"][0]
     for r in loads["gateway"][1:]:
+        paired = [x for x in r.get("round_ratios", []) if x is not None]
+        rounds = f" (paired per round: {', '.join(f'{x:.2f}x' for x in paired)})" * (
+            len(paired) > 1
+        )
         emit(f"{r['clients']:>2} clients: {r['tokens_per_s'] / one['tokens_per_s']:.2f}x the "
-             f"tok/s of {one['clients']}")  # fmt: skip
+             f"tok/s of {one['clients']}{rounds}")  # fmt: skip
 
 
 def peak_rss_mb() -> float:
