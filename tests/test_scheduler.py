@@ -17,6 +17,7 @@ import torch
 from sparse_engine.runtime import kernels
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.runtime.generation import GenerationRequest, GenerationStats
+from sparse_engine.runtime.offline import generate_all
 from sparse_engine.runtime.sampling import sample_next
 from sparse_engine.runtime.scheduler import Scheduler
 from sparse_engine.runtime.scoring import Probe, score_many
@@ -360,3 +361,23 @@ def test_a_request_whose_sampling_fails_fails_alone(
     after = Collect()
     scheduler.submit(_request(3), Level.BALANCED, after)
     assert after.result().completion_tokens == 15
+
+
+def test_generate_all_returns_each_answer_in_order_and_raises_a_failed_one() -> None:
+    engine = _engine("llama", "native")  # the fast path: its sequences step as one batch
+    prompts = ["The river", "A small house", "Numbers like", "In the morning", "Green fields"]
+    jobs = [
+        (GenerationRequest(prompt=p, max_new_tokens=6, ignore_eos=True), level)
+        for p, level in zip(prompts, [Level.DENSE, Level.BALANCED] * 3, strict=False)
+    ]
+    done: list[int] = []
+    found = generate_all(engine, jobs, max_batch=4, progress=done.append)
+    alone = [engine.generate(request, level).result() for request, level in jobs]
+    assert [s.token_ids for s in found] == [s.token_ids for s in alone]
+    assert [s.level for s in found] == [level.value for _, level in jobs]
+    assert sum(done) == len(jobs) and max(s.batch_size for s in found) > 1
+    again = generate_all(engine, jobs, max_batch=4)  # the same list makes the same batches
+    assert [s.token_ids for s in again] == [s.token_ids for s in found]
+    too_long = GenerationRequest(prompt="x", max_new_tokens=0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate_all(engine, [jobs[0], (too_long, Level.DENSE)])

@@ -379,9 +379,7 @@ def print_loads(loads: dict[str, Any]) -> None:
     one = loads["gateway"][0]
     for r in loads["gateway"][1:]:
         paired = [x for x in r.get("round_ratios", []) if x is not None]
-        rounds = f" (paired per round: {', '.join(f'{x:.2f}x' for x in paired)})" * (
-            len(paired) > 1
-        )
+        rounds = f" (per round: {', '.join(f'{x:.2f}x' for x in paired)})" if paired[1:] else ""
         emit(f"{r['clients']:>2} clients: {r['tokens_per_s'] / one['tokens_per_s']:.2f}x the "
              f"tok/s of {one['clients']}{rounds}")  # fmt: skip
 

@@ -58,7 +58,7 @@ def freeze(
     operator builds from their own prompts; the default set uses external references)."""
     source = f"dense:{engine.lm.model_id}"
     jobs = [(_request(prompt, max_new_tokens), Level.DENSE) for _, prompt in prompts]
-    found = generate_all(engine, jobs, progress=progress or _ignore)
+    found = generate_all(engine, jobs, progress=progress)
     return [
         GoldenItem(pid, prompt, stats.text, source)
         for (pid, prompt), stats in zip(prompts, found, strict=True)
@@ -167,11 +167,7 @@ def _answers(
     same batches under every plan."""
     drift = level is not Level.DENSE
     jobs = [(_request(i.prompt, answer_tokens(i, max_new_tokens), drift), level) for i in items]
-    return generate_all(engine, jobs, progress=progress or _ignore)
-
-
-def _ignore(_: int) -> None:
-    pass
+    return generate_all(engine, jobs, progress=progress)
 
 
 def _warn_dense_references(items: Sequence[GoldenItem], model_id: str) -> None:

@@ -168,11 +168,7 @@ def run_prompts(
         )
         for p in prompts
     ]
-    return generate_all(engine, [(r, level) for r in requests], progress=progress or _ignore)
-
-
-def _ignore(_: int) -> None:
-    pass
+    return generate_all(engine, [(r, level) for r in requests], progress=progress)
 
 
 def summarise(

@@ -1,6 +1,7 @@
-"""Many requests at once for jobs (the golden check, the trust studies): they run through a
-scheduler of their own (`runtime.scheduler`), so their decode steps batch as the gateway's do,
-and their statistics come back in the order given.
+"""Many requests at once for jobs (the golden check, the baseline pass, trust answers and the
+trust fit's healthy answers): they run through a scheduler of their own
+(`runtime.scheduler`), so their decode steps batch as the gateway's do, and their statistics
+come back in the order given.
 
 Every request is queued before the first admission (the submits run on the scheduler's
 thread, in one `call`), so the same list of requests always makes the same batches: two runs
@@ -23,7 +24,7 @@ Job = tuple[GenerationRequest, Level | SparsityPlan]
 class _Result:
     """A sink that keeps a request's statistics (or its error)."""
 
-    def __init__(self, progress: Callable[[int], object]) -> None:
+    def __init__(self, progress: Callable[[int], object] | None) -> None:
         self.future: concurrent.futures.Future[GenerationStats] = concurrent.futures.Future()
         self.progress = progress
 
@@ -35,7 +36,8 @@ class _Result:
 
     def done(self, stats: GenerationStats) -> None:
         self.future.set_result(stats)
-        self.progress(1)
+        if self.progress is not None:
+            self.progress(1)
 
     def error(self, exc: Exception) -> None:
         self.future.set_exception(exc)
@@ -45,7 +47,7 @@ def generate_all(
     engine: Engine,
     jobs: Sequence[Job],
     max_batch: int = 16,
-    progress: Callable[[int], object] = lambda _: None,
+    progress: Callable[[int], object] | None = None,
 ) -> list[GenerationStats]:
     """Each job's statistics, in order; the first failed request's error is raised. The
     engine must not serve anything else meanwhile (it is not thread-safe)."""

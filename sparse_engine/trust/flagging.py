@@ -47,7 +47,7 @@ def healthy_signals(
             continue
         runnable.append((prompt, request))
     jobs = [(request, level) for _, request in runnable]
-    answers = generate_all(engine, jobs, progress=progress or (lambda _: None))  # batched
+    answers = generate_all(engine, jobs, progress=progress)  # batched
     found = []
     for (prompt, _), stats in zip(runnable, answers, strict=True):
         if mode == "proxy":
