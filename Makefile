@@ -40,10 +40,12 @@ tools:
 compose-check: $(STAMP) tools
 	$(PY) -m pytest -q tests/test_compose.py
 
+# mypy's cache lives beside the other caches, outside the checkout: a fresh checkout (CI's) then
+# rechecks only the files whose contents changed (2 minutes cold, seconds warm, on 2 cores).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy
+	MYPY_CACHE_DIR=$(HOME)/.cache/sparseguard/mypy $(VENV)/bin/mypy
 
 bench: $(STAMP)
 	$(SG) model fetch
