@@ -15,7 +15,7 @@ from tqdm import tqdm
 from services.cli.common import emit, emit_json
 from services.config import Settings
 from services.shared.engine import build_engine
-from sparse_engine.bench.batch_step import batch_step_speed
+from sparse_engine.bench.batch_step import batch_step_speed, burst_ms, prefill_speed
 from sparse_engine.bench.speed import (
     GB,
     SpeedRow,
@@ -57,6 +57,11 @@ def register(bench: Any) -> None:
     b.add_argument("--model")
     b.add_argument("--level", default="balanced")
     b.add_argument("--sizes", default="1,2,4,8,16,32", help="batch sizes, comma-separated")
+    b.add_argument(
+        "--prefill-lengths",
+        default="16,64,128,256,512",
+        help="prompt lengths (tokens) whose prefill is timed alone, comma-separated",
+    )
     b.add_argument("--json", action="store_true")
     b.set_defaults(handler=run_batch_step)
 
@@ -70,9 +75,24 @@ def run_batch_step(args: argparse.Namespace, settings: Settings) -> int:
         engine.encode_messages(p.messages())
         for p in traffic.healthy("chat", settings.cache_home, "evaluation", max(sizes))
     ]
-    rows = batch_step_speed(engine, engine.plan(level), prompts, sizes)
+    lengths = sorted({int(n) for n in args.prefill_lengths.split(",") if n.strip()})
+    if not sizes or min(sizes) < 1 or not lengths or min(lengths) < 1:
+        raise ValueError("--sizes and --prefill-lengths take positive integers, comma-separated")
+    plan = engine.plan(level)
+    rows = batch_step_speed(engine, plan, prompts, sizes)
+    joined = [t for ids in prompts for t in ids]
+    prefills = prefill_speed(engine, plan, joined, lengths)
+    burst = burst_ms(engine, plan, prompts)
+    tokens = sorted(len(ids) for ids in prompts)
     if args.json:
-        emit_json({"level": level.value, "rows": [dataclasses.asdict(r) for r in rows]})
+        emit_json(
+            {
+                "level": level.value,
+                "rows": [dataclasses.asdict(r) for r in rows],
+                "prefill": [dataclasses.asdict(r) for r in prefills],
+                "burst": {"prompts": len(prompts), "tokens": tokens, "ms": burst},
+            }
+        )
         return 0
     emit(f"decode step of B sequences at {level.value} ({engine.lm.model_id}), ms per step")
     emit(f"{'B':>3} {'row by row':>11} {'batched':>8} {'mixed':>7} {'union read':>11}  faster")
@@ -82,6 +102,15 @@ def run_batch_step(args: argparse.Namespace, settings: Settings) -> int:
             f"{r.union_read_share:>11.2f}  {r.best}"
         )
     emit("mixed: half the rows dense, half at the level, in one batch (per-row thresholds)")
+    emit(f"prefill of one prompt alone at {level.value}")
+    emit(f"{'tokens':>6} {'ms':>8} {'ms/token':>9}")
+    for p in prefills:
+        emit(f"{p.tokens:>6} {p.ms:>8.1f} {p.ms_per_token:>9.2f}")
+    emit(
+        f"burst: the {len(prompts)} prompts above (median {tokens[len(tokens) // 2]} tokens, "
+        f"largest {tokens[-1]}) arriving together are prefilled one after another in "
+        f"{burst / 1000:.2f} s, before the last of them gets its first token"
+    )
     return 0
 
 

@@ -2,7 +2,9 @@
 kernel row by row (each row reads only its kept weight rows), or one batched product that
 reads every weight row once (`runtime.batch`), with the rows at one level or split over two;
 and the share of weight rows at least one row of the batch keeps (what a union-of-kept-rows
-product would read)."""
+product would read). Beside it, what a prompt's prefill costs by its length, and what a burst of
+B prompts arriving together costs before the last of them gets its first token: prefills run
+one at a time between steps, so that burst bounds the time to first token under load."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 
 from sparse_engine.runtime.batch import BatchStep, KVSlots, Row
 from sparse_engine.runtime.engine import Engine
+from sparse_engine.runtime.fastpath import FastDecoder
 from sparse_engine.sparsity.plan import SparsityPlan
 
 
@@ -31,14 +34,63 @@ class StepRow:
         return "batched" if self.batched_ms < self.row_by_row_ms else "row by row"
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillRow:
+    tokens: int
+    ms: float  # the fastest of the repeats
+
+    @property
+    def ms_per_token(self) -> float:
+        return self.ms / self.tokens
+
+
+def prefill_speed(
+    engine: Engine, plan: SparsityPlan, ids: list[int], lengths: list[int], repeats: int = 3
+) -> list[PrefillRow]:
+    """Per length n: one prompt of the first n of `ids` (real tokens) prefilled alone on the
+    fast path, the fastest of `repeats`."""
+    fast = _fast(engine)
+    if max(lengths) > min(len(ids), fast.max_len):
+        raise ValueError(f"prefill lengths go up to {min(len(ids), fast.max_len)} tokens here")
+    out = []
+    for n in lengths:
+        took = []
+        for _ in range(repeats + 1):  # the first warms up
+            fast.reset()
+            started = time.perf_counter()
+            fast.prefill(ids[:n], plan)
+            took.append(time.perf_counter() - started)
+        out.append(PrefillRow(n, min(took[1:]) * 1000))
+    fast.reset()
+    return out
+
+
+def burst_ms(engine: Engine, plan: SparsityPlan, prompts: list[list[int]]) -> float:
+    """Milliseconds to prefill `prompts` one after another, as a burst of that many requests
+    arriving together is prefilled (after one warm-up prefill)."""
+    fast = _fast(engine)
+    fast.reset()
+    fast.prefill(prompts[0], plan)
+    started = time.perf_counter()
+    for ids in prompts:
+        fast.reset()
+        fast.prefill(ids, plan)
+    fast.reset()
+    return (time.perf_counter() - started) * 1000
+
+
+def _fast(engine: Engine) -> FastDecoder:
+    if engine.fast is None:
+        raise ValueError("the batch-step bench needs the fast path (engine fast_path float32)")
+    return engine.fast
+
+
 def batch_step_speed(
     engine: Engine, plan: SparsityPlan, prompts: list[list[int]], sizes: list[int], steps: int = 5
 ) -> list[StepRow]:
     """Per batch size: mean milliseconds per step (after one warm-up) with `prompts` (token ids,
     one per row, reused round-robin) prefilled into the slots."""
-    fast = engine.fast
-    if fast is None:
-        raise ValueError("the batch-step bench needs the fast path (engine fast_path float32)")
+    fast = _fast(engine)
     slots = KVSlots(fast, max(sizes))
     batched = BatchStep(slots)
     dense = SparsityPlan()
