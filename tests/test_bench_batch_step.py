@@ -27,7 +27,7 @@ def test_step_prefill_and_burst_rows_on_a_tiny_model() -> None:
     joined = [t for ids in prompts for t in ids]
     rows = prefill_speed(engine, plan, joined, [8, 64], repeats=2)
     assert [r.tokens for r in rows] == [8, 64]
-    assert all(r.ms > 0 and r.ms_per_token == pytest.approx(r.ms / r.tokens) for r in rows)
+    assert all(r.ms > 0 for r in rows)
     assert engine.fast.length == 0  # left empty: the engine serves on as before
     assert burst_ms(engine, plan, prompts) > 0
     assert engine.fast.length == 0

@@ -68,16 +68,16 @@ def register(bench: Any) -> None:
 
 def run_batch_step(args: argparse.Namespace, settings: Settings) -> int:
     """Per batch size, ms per decode step each way, on real prompts (ShareGPT) in the slots."""
-    engine = build_engine(settings, args.model)
     level = Level.parse(args.level)
     sizes = sorted({int(n) for n in args.sizes.split(",") if n.strip()})
+    lengths = sorted({int(n) for n in args.prefill_lengths.split(",") if n.strip()})
+    if not sizes or min(sizes) < 1 or not lengths or min(lengths) < 1:
+        raise ValueError("--sizes and --prefill-lengths take positive integers, comma-separated")
+    engine = build_engine(settings, args.model)
     prompts = [
         engine.encode_messages(p.messages())
         for p in traffic.healthy("chat", settings.cache_home, "evaluation", max(sizes))
     ]
-    lengths = sorted({int(n) for n in args.prefill_lengths.split(",") if n.strip()})
-    if not sizes or min(sizes) < 1 or not lengths or min(lengths) < 1:
-        raise ValueError("--sizes and --prefill-lengths take positive integers, comma-separated")
     plan = engine.plan(level)
     rows = batch_step_speed(engine, plan, prompts, sizes)
     joined = [t for ids in prompts for t in ids]
