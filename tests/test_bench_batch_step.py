@@ -1,6 +1,6 @@
 """`sparseguard bench batch-step`'s measurements on a tiny Llama: a step of B sequences each
-way, a prompt's prefill by length and a burst of prompts prefilled one after another, each
-leaving the fast decoder empty."""
+way, a prompt's prefill by length and a burst of prompts prefilled one after another and
+packed, each leaving the fast decoder empty."""
 
 from __future__ import annotations
 
@@ -29,7 +29,9 @@ def test_step_prefill_and_burst_rows_on_a_tiny_model() -> None:
     assert [r.tokens for r in rows] == [8, 64]
     assert all(r.ms > 0 for r in rows)
     assert engine.fast.length == 0  # left empty: the engine serves on as before
-    assert burst_ms(engine, plan, prompts) > 0
+    burst = burst_ms(engine, plan, prompts, repeats=1)
+    assert burst.prompts == 4 and burst.tokens == sum(map(len, prompts))
+    assert burst.one_by_one_ms > 0 and burst.packed_ms > 0
     assert engine.fast.length == 0
 
     with pytest.raises(ValueError, match="prefill lengths go up to"):

@@ -1,8 +1,9 @@
 """Continuous batching (`sparse_engine.runtime.scheduler`) on tiny Llama, Qwen2 and Gemma 3
 models: the same prompts at temperature 0, batched with others at other levels vs alone,
 give the same tokens and the same per-request signals and readout within float tolerance, on
-the fast path (compiled kernels and PyTorch fallback) and the reference path; admission,
-cancellation, the token budget and the batched drift pass."""
+the fast path (compiled kernels and PyTorch fallback; their prompts prefilled in one packed
+pass) and the reference path; admission, cancellation, the token budget and the batched drift
+pass."""
 
 from __future__ import annotations
 
@@ -176,6 +177,7 @@ def test_batched_requests_match_the_same_requests_alone(
     else:
         assert scheduler.rows / scheduler.steps > 2  # several rows per batched step
         assert all(sink.result().batch_size > 1 for sink in sinks)
+        assert scheduler.packed == len(jobs)  # their prompts prefilled in one packed pass
 
 
 def _every_role_plan(engine: Engine) -> SparsityPlan:
@@ -309,8 +311,8 @@ def test_probes_batched_match_each_probe_alone(family: str, scheduler: Scheduler
 
 def test_a_shared_prefix_is_reused_under_the_same_plan_only(scheduler: Scheduler) -> None:
     """Prefix reuse works through the scheduler as alone: a later request with the same system
-    prompt reuses its KV at the same level (with the tokens of an uncached prefill), and not
-    at another level (a mismatch)."""
+    prompt reuses its KV at the same level (with the tokens and signals of an uncached
+    prefill), and not at another level (a mismatch), both prefilled in one packed pass."""
     engine = tiny_engine(cache=True)
     engine.enable_fast_path("float32", kernels.load(), max_len=256)
     system = {"role": "system", "content": "You are terse. " * 6}
@@ -327,6 +329,11 @@ def test_a_shared_prefix_is_reused_under_the_same_plan_only(scheduler: Scheduler
     assert first.result().cached_tokens == 0
     assert warm.result().cached_tokens > 0 and warm.result().token_ids == cold.token_ids
     assert other.result().cached_tokens == 0 and other.result().cache_mismatch
+    assert scheduler.packed == 2  # the last two prefilled packed, each after its own prefix
+    got, want = warm.result().signals, cold.signals
+    assert got is not None and want is not None
+    for name in ("sparsity_per_layer", "silence_rate_per_layer", "step_sparsity"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-4, atol=1e-5)
 
 
 def test_a_denormal_temperature_samples_the_top_token() -> None:

@@ -3,8 +3,9 @@ kernel row by row (each row reads only its kept weight rows), or one batched pro
 reads every weight row once (`runtime.batch`), with the rows at one level or split over two;
 and the share of weight rows at least one row of the batch keeps (what a union-of-kept-rows
 product would read). Beside it, what a prompt's prefill costs by its length, and what a burst of
-B prompts arriving together costs before the last of them gets its first token: prefills run
-one at a time between steps, so that burst bounds the time to first token under load."""
+B prompts arriving together costs before the last of them gets its first token, prefilled one
+after another or in one packed pass (`runtime.packed`, what the scheduler runs): that burst
+bounds the time to first token under load."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 from sparse_engine.runtime.batch import BatchStep, KVSlots, Row
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.runtime.fastpath import FastDecoder
+from sparse_engine.runtime.packed import Segment, prefill_packed
 from sparse_engine.sparsity.plan import SparsityPlan
 
 
@@ -65,18 +67,44 @@ def prefill_speed(
     return out
 
 
-def burst_ms(engine: Engine, plan: SparsityPlan, prompts: list[list[int]]) -> float:
-    """Milliseconds to prefill `prompts` one after another, as a burst of that many requests
-    arriving together is prefilled (after one warm-up prefill)."""
+@dataclass(frozen=True, slots=True)
+class Burst:
+    prompts: int
+    tokens: int
+    one_by_one_ms: float  # median: each prompt's prefill alone, one after another
+    packed_ms: float  # median: one packed prefill of them all (`runtime.packed`)
+
+
+def burst_ms(
+    engine: Engine, plan: SparsityPlan, prompts: list[list[int]], repeats: int = 3
+) -> Burst:
+    """Milliseconds to prefill `prompts` arriving together, one after another and in one packed
+    pass, alternating the two `repeats` times (after one warm-up of each) so that a machine's
+    drift falls on both alike."""
     fast = _fast(engine)
+    slots = KVSlots(fast, len(prompts))
+    limits = fast._thresholds(plan)
+    segments = [Segment(slot, 0, ids, limits, None, None) for slot, ids in enumerate(prompts)]
+
+    def one_by_one() -> None:
+        for ids in prompts:
+            fast.reset()
+            fast.prefill(ids, plan)
+
+    def packed() -> None:
+        prefill_packed(slots, segments)
+        fast.unbind()
+
+    times: tuple[list[float], list[float]] = ([], [])
+    for round_ in range(repeats + 1):
+        for run, kept in ((one_by_one, times[0]), (packed, times[1])):
+            started = time.perf_counter()
+            run()
+            if round_:
+                kept.append((time.perf_counter() - started) * 1000)
     fast.reset()
-    fast.prefill(prompts[0], plan)
-    started = time.perf_counter()
-    for ids in prompts:
-        fast.reset()
-        fast.prefill(ids, plan)
-    fast.reset()
-    return (time.perf_counter() - started) * 1000
+    tokens = sum(map(len, prompts))
+    return Burst(len(prompts), tokens, statistics.median(times[0]), statistics.median(times[1]))
 
 
 def _fast(engine: Engine) -> FastDecoder:

@@ -18,7 +18,14 @@ from sparse_engine.model.arch import UnsupportedModelError
 from sparse_engine.model.loader import LoadedModel
 from sparse_engine.runtime.fastpath import FastDecoder
 from sparse_engine.runtime.generation import Generation, GenerationRequest, GenerationStats, Message
-from sparse_engine.runtime.prefill import FastKV, FastKVState, Prefill, Prefilled, ReferenceKV
+from sparse_engine.runtime.prefill import (
+    FastKV,
+    FastKVState,
+    OpenPrefill,
+    Prefill,
+    Prefilled,
+    ReferenceKV,
+)
 from sparse_engine.runtime.prefix_cache import CacheKey, PrefixCache
 from sparse_engine.runtime.sampling import TopLogprobs
 from sparse_engine.runtime.sequence import Sequence
@@ -202,6 +209,22 @@ class Engine:
             seq.fast, seq.request, seq.plan, seq.prompt_ids, seq.recorder, seq.readout
         )
         return path
+
+    def open_prefill(self, seq: Sequence, stack: ExitStack) -> OpenPrefill:
+        """`prefill` of a fast-path `seq` but for its last part, which the caller runs (packed
+        with other prompts' last parts: `runtime.packed`) and hands to `OpenPrefill.close`;
+        `stack` holds the recorder's single prefill step open until it closes."""
+        if seq.fast is None:
+            raise ValueError("only a fast-path prefill runs packed")
+        if seq.recorder is not None:
+            stack.enter_context(seq.recorder.one_step())
+        path = FastKV(seq.fast, seq.plan, seq.recorder, seq.readout)
+        reuse = seq.request.use_prefix_cache
+        store = self.fast_prefixes if reuse else None
+        prefill = Prefill(path, store, self._cache_key(seq.plan), seq.recorder)
+        ends = self._prefix_ends(seq.request, seq.prompt_ids) if reuse else []
+        cached, mismatch, start = prefill.begin(seq.prompt_ids, [*ends, len(seq.prompt_ids)])
+        return OpenPrefill(path, prefill, cached, mismatch, start)
 
     def finish(self, seq: Sequence, drift: float | None = None) -> GenerationStats:
         """`seq`'s statistics; its drift is measured here unless given (a batched pass)."""

@@ -45,18 +45,32 @@ class Prefill(Generic[KV]):
     def run(self, ids: list[int], ends: list[int]) -> Prefilled:
         """Prefill `ids`; `ends` are the lengths of its reusable prefixes (the last is
         len(ids)). Signals of the whole prompt are recorded as one step."""
-        cached, mismatch = self._restore(ids)
-        recorder = self.recorder
-        logits: torch.Tensor | None = None
-        start = cached
-        for end in (e for e in ends if e > cached):
-            logits = self.path.forward(ids[start:end])
-            start = end
-            if self.store is not None:
-                signals = recorder.prefix if recorder is not None else None
-                self.store.store(self.key, ids[:end], self.path.copy, signals)
-        assert logits is not None, "the last end is the prompt's length"
+        cached, mismatch, start = self.begin(ids, ends)
+        logits = self.path.forward(ids[start:])
+        self.end(ids)
         return Prefilled(logits, cached, mismatch)
+
+    def begin(self, ids: list[int], ends: list[int]) -> tuple[int, bool, int]:
+        """Restore the longest cached prefix and run every part but the last (another pass
+        may run that one: `runtime.packed`, then `end`). Returns the tokens reused, whether
+        the longest cached prefix was another version's or level's, and where the last part
+        starts."""
+        cached, mismatch = self._restore(ids)
+        start = cached
+        for end in (e for e in ends[:-1] if cached < e < len(ids)):
+            self.path.forward(ids[start:end])
+            start = end
+            self._store(ids[:end])
+        return cached, mismatch, start
+
+    def end(self, ids: list[int]) -> None:
+        """The whole prompt has run: store it for later requests."""
+        self._store(ids)
+
+    def _store(self, prefix: list[int]) -> None:
+        if self.store is not None:
+            signals = self.recorder.prefix if self.recorder is not None else None
+            self.store.store(self.key, prefix, self.path.copy, signals)
 
     def _restore(self, ids: list[int]) -> tuple[int, bool]:
         if self.store is None:
@@ -71,6 +85,24 @@ class Prefill(Generic[KV]):
         if self.recorder is not None and entry.signals is not None:
             self.recorder.credit(entry.signals)
         return len(entry.tokens), False
+
+
+@dataclass(slots=True)
+class OpenPrefill:
+    """A fast-path prefill run but for its last part, positions `start` ... of the prompt
+    (`Engine.open_prefill`); `close` with that part's logits once another pass ran it."""
+
+    path: FastKV
+    prefill: Prefill[FastKVState]
+    cached: int
+    mismatch: bool
+    start: int
+
+    def close(self, ids: list[int], logits: torch.Tensor) -> Prefilled:
+        """Store the whole prompt `ids` for later requests (the fast decoder bound to its KV,
+        `ids` long) and give what `Prefill.run` gives."""
+        self.prefill.end(ids)
+        return Prefilled(logits, self.cached, self.mismatch)
 
 
 class ReferenceKV:

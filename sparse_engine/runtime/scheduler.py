@@ -1,6 +1,7 @@
 """Continuous batching: one thread owns the engine and runs every admitted sequence a step at
-a time. New requests join at step boundaries (their prompt is prefilled, alone, between two
-steps), finished ones leave, and the fast-path sequences of every level step together
+a time. New requests join at step boundaries (their prompts are prefilled between two steps,
+the fast-path prompts that start together in one packed pass: `runtime.packed`), finished
+ones leave, and the fast-path sequences of every level step together
 (`runtime.batch`); reference-path sequences (Top-K plans, a plan-A mask, prompts longer than
 the fast path holds) step one after another in the same loop. Each sequence keeps its own
 sampling, stops, recorder and readout (`runtime.sequence`), so its signals are what it would
@@ -28,6 +29,7 @@ import torch
 from sparse_engine.runtime.batch import BatchStep, KVSlots, Row
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.runtime.generation import GenerationRequest
+from sparse_engine.runtime.packed import prefill_sequences
 from sparse_engine.runtime.prefill import FastKV, ReferenceKV
 from sparse_engine.runtime.scoring import Probe
 from sparse_engine.runtime.sequence import Sequence
@@ -89,6 +91,7 @@ class Scheduler:
         self._batched: BatchStep | None = None
         self.steps = 0  # decode steps run, and the rows they ran (mean batch = rows / steps)
         self.rows = 0
+        self.packed = 0  # prompts prefilled in a packed pass with others
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self._thread.start()
 
@@ -189,26 +192,46 @@ class Scheduler:
             item.future.set_exception(exc)
 
     def _admit(self) -> None:
+        """Start waiting requests while the batch and the token budget allow: fast-path
+        prompts that start together prefill as one packed pass (`runtime.packed`), the rest
+        one by one."""
         held = sum(live.tokens for live in (*self._fast, *self._reference))
-        while self._waiting and self.running < self.max_batch:
+        fresh: list[tuple[Ticket, Sequence]] = []
+        while self._waiting and self.running + len(fresh) < self.max_batch:
             ticket = self._waiting[0]
             need = ticket.request.max_new_tokens  # the prompt is counted once it is encoded
-            if self.running and held + need > self.kv_tokens:
-                return
+            if (self.running or fresh) and held + need > self.kv_tokens:
+                break
             self._waiting.popleft()
             self._admitted()
             if ticket.cancelled.is_set():
                 continue
-            live = self._start(ticket)
-            if live is not None:
-                held += live.tokens
+            seq = self._open(ticket)
+            if seq is not None:
+                fresh.append((ticket, seq))
+                held += len(seq.prompt_ids) + seq.request.max_new_tokens
+        packed = [(t, seq) for t, seq in fresh if seq.fast is not None and self._slots is not None]
+        if len(packed) > 1:
+            self._start_packed(packed)
+        for ticket, seq in fresh:
+            if len(packed) < 2 or seq.fast is None:
+                self._start(ticket, seq)
 
-    def _start(self, ticket: Ticket) -> _Live | None:
+    def _open(self, ticket: Ticket) -> Sequence | None:
         engine = self.engine
         assert engine is not None, "attach an engine before submitting"
         ticket.sink.started()
         try:
-            seq = engine.start(ticket.request, engine.plan(ticket.level), ticket.cancelled)
+            return engine.start(ticket.request, engine.plan(ticket.level), ticket.cancelled)
+        except Exception as exc:
+            ticket.sink.error(exc)
+            return None
+
+    def _start(self, ticket: Ticket, seq: Sequence) -> None:
+        """Prefill `seq` alone and let it run."""
+        engine = self.engine
+        assert engine is not None
+        try:
             if seq.fast is not None and self._slots is not None:
                 self._slots.bind(len(self._fast), 0)
             with torch.inference_mode(), engine.passes(seq):
@@ -216,17 +239,31 @@ class Scheduler:
             limits = seq.fast._thresholds(seq.plan) if seq.fast is not None else None
         except Exception as exc:
             ticket.sink.error(exc)
-            return None
+            return
         finally:
             if engine.fast is not None:
                 engine.fast.unbind()
-        live = _Live(ticket, seq, path, limits)
-        (self._fast if limits is not None else self._reference).append(live)
-        if not self._accepted(live, seq.prefilled.logits, 1):
-            return None
-        if seq.done:  # at its first token
-            self._finish([live])
-        return live
+        self._join([(_Live(ticket, seq, path, limits), seq.prefilled.logits)])
+
+    def _start_packed(self, fresh: list[tuple[Ticket, Sequence]]) -> None:
+        """Prefill fast-path prompts in one packed pass into the next free slots and let them
+        run."""
+        engine, slots = self.engine, self._slots
+        assert engine is not None and slots is not None
+        seqs = [seq for _, seq in fresh]
+        started = prefill_sequences(
+            engine, slots, len(self._fast), seqs, lambda i, exc: fresh[i][0].sink.error(exc)
+        )
+        self.packed += len(started)
+        lives = [(_Live(fresh[i][0], seqs[i], kv, limits), out) for i, kv, limits, out in started]
+        self._join(lives)
+
+    def _join(self, started: list[tuple[_Live, torch.Tensor]]) -> None:
+        """Prefilled sequences join the running batch with their first token."""
+        for live, _ in started:
+            (self._fast if live.limits is not None else self._reference).append(live)
+        accepted = [live for live, logits in started if self._accepted(live, logits, 1)]
+        self._finish([live for live in accepted if live.seq.done])
 
     def _run_probes(self) -> None:
         """Every waiting probe, one batched pass per plan (and readout setting), in batches
