@@ -37,10 +37,13 @@ class EngineSettings(BaseModel):
     # Continuous batching (sparse_engine.runtime.scheduler): sequences decoding at once, the
     # tokens (prompt + max_tokens each) they may hold between them, and from how many
     # fast-path sequences a step runs as one batched product (fewer: row by row on the
-    # compiled kernel; `sparseguard bench batch-step` measures the crossover).
+    # compiled kernel; `sparseguard bench batch-step` measures the crossover), and from how
+    # many fast-path prompts starting at one step boundary they prefill in one packed pass
+    # (fewer: one by one; `bench batch-step` compares the two under load).
     max_batch: int = Field(16, ge=1)
     kv_tokens: int = Field(16384, ge=16)
     batch_from: int = Field(4, ge=2)
+    pack_from: int = Field(2, ge=2)
     # The baseline pass that ends every calibration: healthy prompts per level (and dense),
     # of these kinds (sparse_engine.data.traffic), answered greedily to this many tokens.
     baseline_requests: int = Field(120, ge=10)

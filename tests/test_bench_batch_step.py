@@ -1,11 +1,13 @@
 """`sparseguard bench batch-step`'s measurements on a tiny Llama: a step of B sequences each
 way, a prompt's prefill by length and a burst of prompts prefilled one after another and
-packed, each leaving the fast decoder empty."""
+packed, each leaving the fast decoder empty; the scheduler load with prefills packed and one
+by one."""
 
 from __future__ import annotations
 
 import pytest
 
+from services.cli.bench_packing import packing_rounds
 from sparse_engine.bench.batch_step import batch_step_speed, burst_ms, prefill_speed
 from sparse_engine.runtime import kernels
 from sparse_engine.sparsity.plan import Level
@@ -36,3 +38,15 @@ def test_step_prefill_and_burst_rows_on_a_tiny_model() -> None:
 
     with pytest.raises(ValueError, match="prefill lengths go up to"):
         prefill_speed(engine, plan, joined[:10], [16])
+
+
+def test_the_packing_load_runs_both_ways_on_the_same_prompts() -> None:
+    engine = tiny_engine(cache=False)
+    engine.enable_fast_path("float32", kernels.load(), max_len=256)
+    prompts = [[{"role": "user", "content": t[:80]}] for t in sample_texts(4)]
+    result = packing_rounds(engine, Level.BALANCED, prompts, clients=2, rounds=2, tokens=4)
+    rows = {r["target"]: r for r in result["rows"]}
+    assert set(rows) == {"packed", "one by one"}
+    for row in rows.values():
+        assert row["requests"] == 4 and row["errors"] == 0 and row["tokens_per_s"] > 0
+    assert len(result["round_tok_s_ratio"]) == len(result["round_ttft_p99_ms"]) == 2

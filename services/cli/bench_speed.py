@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from services.cli.bench_packing import packing_rounds, print_packing
 from services.cli.common import emit, emit_json
 from services.config import Settings
 from services.shared.engine import build_engine
@@ -62,6 +63,11 @@ def register(bench: Any) -> None:
         default="16,64,128,256,512",
         help="prompt lengths (tokens) whose prefill is timed alone, comma-separated",
     )
+    b.add_argument(
+        "--load-clients", type=int, default=16,
+        help="concurrent clients of the scheduler load, prefills packed vs one by one (0: skip)",
+    )  # fmt: skip
+    b.add_argument("--load-rounds", type=int, default=3, help="load rounds of each way")
     b.add_argument("--json", action="store_true")
     b.set_defaults(handler=run_batch_step)
 
@@ -73,17 +79,26 @@ def run_batch_step(args: argparse.Namespace, settings: Settings) -> int:
     lengths = sorted({int(n) for n in args.prefill_lengths.split(",") if n.strip()})
     if not sizes or min(sizes) < 1 or not lengths or min(lengths) < 1:
         raise ValueError("--sizes and --prefill-lengths take positive integers, comma-separated")
+    if args.load_clients < 0 or args.load_rounds < 1:
+        raise ValueError("--load-clients must be 0 or more and --load-rounds at least 1")
     engine = build_engine(settings, args.model)
-    prompts = [
-        engine.encode_messages(p.messages())
-        for p in traffic.healthy("chat", settings.cache_home, "evaluation", max(sizes))
-    ]
+    chats = traffic.healthy(
+        "chat", settings.cache_home, "evaluation", max(*sizes, 2 * args.load_clients)
+    )
+    prompts = [engine.encode_messages(p.messages()) for p in chats[: max(sizes)]]
     plan = engine.plan(level)
     rows = batch_step_speed(engine, plan, prompts, sizes)
     joined = [t for ids in prompts for t in ids]
     prefills = prefill_speed(engine, plan, joined, lengths)
     burst = burst_ms(engine, plan, prompts)
     tokens = sorted(len(ids) for ids in prompts)
+    load = None
+    if args.load_clients:
+        messages = [p.messages() for p in chats]
+        load = packing_rounds(
+            engine, level, messages, args.load_clients, args.load_rounds,
+            batch_from=settings.engine.batch_from,
+        )  # fmt: skip
     if args.json:
         emit_json(
             {
@@ -91,6 +106,7 @@ def run_batch_step(args: argparse.Namespace, settings: Settings) -> int:
                 "rows": [dataclasses.asdict(r) for r in rows],
                 "prefill": [dataclasses.asdict(r) for r in prefills],
                 "burst": {**dataclasses.asdict(burst), "prompt_tokens": tokens},
+                "load": load,
             }
         )
         return 0
@@ -112,6 +128,8 @@ def run_batch_step(args: argparse.Namespace, settings: Settings) -> int:
         f"the last of them gets its first token: one after another {burst.one_by_one_ms:.0f} ms, "
         f"in one packed pass {burst.packed_ms:.0f} ms (medians of 3, alternated)"
     )
+    if load is not None:
+        print_packing(load)
     return 0
 
 

@@ -83,7 +83,9 @@ class EngineJob:
 class EngineWorker:
     def __init__(self, queue_size: int, engine: EngineSettings | None = None) -> None:
         cfg = engine or EngineSettings()
-        self.scheduler = Scheduler(cfg.max_batch, cfg.kv_tokens, queue_size, cfg.batch_from)
+        self.scheduler = Scheduler(
+            cfg.max_batch, cfg.kv_tokens, queue_size, cfg.batch_from, cfg.pack_from
+        )
 
     @property
     def depth(self) -> int:

@@ -73,12 +73,16 @@ class Scheduler:
         kv_tokens: int = 16384,
         max_waiting: int = 16,
         batch_from: int = 4,
+        pack_from: int = 2,
     ) -> None:
         self.max_batch, self.kv_tokens, self.max_waiting = max_batch, kv_tokens, max_waiting
         # From this many fast-path sequences a step runs as one batched product; fewer step
         # row by row on the compiled kernel, which reads only each row's kept weight rows
         # (`sparseguard bench batch-step` measures where one overtakes the other).
         self.batch_from = batch_from
+        # From this many fast-path prompts starting at one boundary they prefill in one packed
+        # pass (`runtime.packed`); fewer prefill one by one.
+        self.pack_from = pack_from
         self.engine: Engine | None = None  # set (`attach`) before the first submit
         self._inbox: queue.SimpleQueue[Ticket | ProbeTicket | _Call | None] = queue.SimpleQueue()
         self._waiting: deque[Ticket] = deque()
@@ -211,10 +215,11 @@ class Scheduler:
                 fresh.append((ticket, seq))
                 held += len(seq.prompt_ids) + seq.request.max_new_tokens
         packed = [(t, seq) for t, seq in fresh if seq.fast is not None and self._slots is not None]
-        if len(packed) > 1:
+        packing = len(packed) >= max(self.pack_from, 2)
+        if packing:
             self._start_packed(packed)
         for ticket, seq in fresh:
-            if len(packed) < 2 or seq.fast is None:
+            if not packing or seq.fast is None:
                 self._start(ticket, seq)
 
     def _open(self, ticket: Ticket) -> Sequence | None:
