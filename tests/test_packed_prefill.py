@@ -1,17 +1,23 @@
 """`runtime.packed`: prompts prefilled in one packed pass, each at its own level and from its
 own restored prefix, give each prompt's logits, KV and signals of its prefill alone; no prompt
-attends to another's tokens."""
+attends to another's tokens; prompts past one pass's token cap prefill in several."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
 
-from sparse_engine.runtime import kernels
+from sparse_engine.runtime import kernels, packed
 from sparse_engine.runtime.batch import KVSlots
-from sparse_engine.runtime.packed import Segment, prefill_packed
+from sparse_engine.runtime.generation import GenerationRequest
+from sparse_engine.runtime.packed import PACKED_TOKENS, Segment, _passes, prefill_packed
+from sparse_engine.runtime.scheduler import Scheduler
 from sparse_engine.sparsity.plan import Level
 from sparse_engine.sparsity.recorder import SignalRecorder
+from tests.test_scheduler import LEVELS as MIXED
+from tests.test_scheduler import _engine, _request, _same, _together
 from tests.tiny import sample_texts, tiny_engine
 
 LEVELS = [Level.BALANCED, Level.DENSE, Level.AGGRESSIVE]
@@ -66,3 +72,29 @@ def test_a_packed_prefill_refuses_an_empty_or_too_long_segment() -> None:
         prefill_packed(slots, [Segment(0, 0, [], limits, None, None)])
     with pytest.raises(ValueError, match="16 tokens"):
         prefill_packed(slots, [Segment(0, 10, list(range(1, 8)), limits, None, None)])
+
+
+def test_packed_passes_hold_at_most_the_token_cap_and_a_longer_prompt_alone() -> None:
+    def opened(size: int) -> Any:
+        return (size, None, Segment(0, 0, [1] * size, torch.empty(0), None, None))
+
+    sizes = [600, 300, 200, 1500, 100, 1024]
+    groups = _passes([opened(n) for n in sizes])
+    assert [[item[0] for item in g] for g in groups] == [[600, 300], [200], [1500], [100], [1024]]
+    assert PACKED_TOKENS == 1024
+
+
+def test_prompts_past_one_packed_pass_prefill_in_several(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Passes capped at 12 tokens: the scheduler's five prompts prefill in several packed
+    passes, each as alone (tokens, signals, readout)."""
+    monkeypatch.setattr(packed, "PACKED_TOKENS", 12)
+    engine = _engine("llama", "native")
+    jobs: list[tuple[GenerationRequest, Any]] = [(_request(i), lv) for i, lv in enumerate(MIXED)]
+    alone = [engine.generate(request, level).result() for request, level in jobs]
+    scheduler = Scheduler(max_batch=8, batch_from=2)
+    try:
+        for want, sink in zip(alone, _together(scheduler, engine, jobs), strict=True):
+            _same(want, sink.result())
+        assert scheduler.packed == len(jobs)
+    finally:
+        scheduler.close()

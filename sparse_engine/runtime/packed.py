@@ -26,6 +26,11 @@ from sparse_engine.sparsity.recorder import SignalRecorder
 
 log = logging.getLogger(__name__)
 Started = tuple[int, FastKV, torch.Tensor, torch.Tensor]  # index, KV path, thresholds, logits
+Opened = tuple[int, OpenPrefill, "Segment"]
+# Tokens one packed pass takes: from about 128 tokens a prefill's products are compute-bound
+# (`sparseguard bench batch-step`), so larger passes gain little speed and hold more memory
+# (32 prompts, ~2300 tokens, in one pass: 90-290 MB more peak RSS than one by one).
+PACKED_TOKENS = 1024
 
 
 @dataclass(slots=True)
@@ -103,12 +108,13 @@ def prefill_sequences(
     failed: Callable[[int, Exception], None],
 ) -> list[Started]:
     """Prefill fast-path sequences into slots `first`, `first` + 1, ...: each one's cached
-    prefix restored and earlier parts run alone (`Engine.open_prefill`), then every last part
-    in one packed pass. Per sequence that started: its index in `seqs`, KV path, threshold
-    table and first logits (`seq.prefilled` set); `failed(index, error)` for the others."""
+    prefix restored and earlier parts run alone (`Engine.open_prefill`), then the last parts
+    packed, PACKED_TOKENS tokens a pass at most. Per sequence that started: its index in
+    `seqs`, KV path, threshold table and first logits (`seq.prefilled` set); `failed(index,
+    error)` for the others."""
     fast = engine.fast
     assert fast is not None, "packed prefills run on the fast path"
-    opened: list[tuple[int, OpenPrefill, Segment]] = []
+    opened: list[Opened] = []
     started: list[Started] = []
     with ExitStack() as stack, torch.inference_mode():
         for index, seq in enumerate(seqs):
@@ -126,20 +132,37 @@ def prefill_sequences(
             opened.append(
                 (index, part, Segment(slot, part.start, ids, limits, seq.recorder, seq.readout))
             )
-        if not opened:
-            return []
-        try:
-            logits = prefill_packed(slots, [seg for *_, seg in opened])
-            for (index, part, seg), row in zip(opened, logits, strict=True):
-                seq = seqs[index]
-                slots.bind(seg.slot, len(seq.prompt_ids))
-                seq.prefilled = part.close(seq.prompt_ids, row)
-                started.append((index, part.path, seg.limits, row))
-        except Exception as exc:
-            log.error("a packed prefill failed", exc_info=exc)
-            for index, *_ in opened:
-                failed(index, exc)
-            return []
-        finally:
-            fast.unbind()
+        passes = _passes(opened)
+        for done, group in enumerate(passes):
+            closed: list[Started] = []
+            try:
+                logits = prefill_packed(slots, [seg for *_, seg in group])
+                for (index, part, seg), row in zip(group, logits, strict=True):
+                    seq = seqs[index]
+                    slots.bind(seg.slot, len(seq.prompt_ids))
+                    seq.prefilled = part.close(seq.prompt_ids, row)
+                    closed.append((index, part.path, seg.limits, row))
+            except Exception as exc:  # this pass and the later ones fail: no slot left empty
+                log.error("a packed prefill failed", exc_info=exc)
+                for index, *_ in (item for rest in passes[done:] for item in rest):
+                    failed(index, exc)
+                return started
+            finally:
+                fast.unbind()
+            started += closed
     return started
+
+
+def _passes(opened: list[Opened]) -> list[list[Opened]]:
+    """Consecutive groups of at most PACKED_TOKENS tokens (a longer prompt alone)."""
+    groups: list[list[Opened]] = []
+    size = 0
+    for item in opened:
+        n = len(item[2].ids)
+        if groups and size + n <= PACKED_TOKENS:
+            groups[-1].append(item)
+            size += n
+        else:
+            groups.append([item])
+            size = n
+    return groups

@@ -197,8 +197,7 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Start waiting requests while the batch and the token budget allow: fast-path
-        prompts that start together prefill as one packed pass (`runtime.packed`), the rest
-        one by one."""
+        prompts that start together prefill packed (`runtime.packed`), the rest one by one."""
         held = sum(live.tokens for live in (*self._fast, *self._reference))
         fresh: list[tuple[Ticket, Sequence]] = []
         while self._waiting and self.running + len(fresh) < self.max_batch:
@@ -251,8 +250,7 @@ class Scheduler:
         self._join([(_Live(ticket, seq, path, limits), seq.prefilled.logits)])
 
     def _start_packed(self, fresh: list[tuple[Ticket, Sequence]]) -> None:
-        """Prefill fast-path prompts in one packed pass into the next free slots and let them
-        run."""
+        """Prefill fast-path prompts packed into the next free slots and let them run."""
         engine, slots = self.engine, self._slots
         assert engine is not None and slots is not None
         seqs = [seq for _, seq in fresh]
