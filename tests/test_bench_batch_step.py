@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from services.cli.bench_packing import packing_rounds
-from sparse_engine.bench.batch_step import batch_step_speed, burst_ms, prefill_speed
+from sparse_engine.bench.batch_step import batch_step_speed, burst_speed, prefill_speed
 from sparse_engine.runtime import kernels
 from sparse_engine.sparsity.plan import Level
 from tests.tiny import sample_texts, tiny_engine
@@ -31,7 +31,7 @@ def test_step_prefill_and_burst_rows_on_a_tiny_model() -> None:
     assert [r.tokens for r in rows] == [8, 64]
     assert all(r.ms > 0 for r in rows)
     assert engine.fast.length == 0  # left empty: the engine serves on as before
-    burst = burst_ms(engine, plan, prompts, repeats=1)
+    burst = burst_speed(engine, plan, prompts, repeats=1)
     assert burst.prompts == 4 and burst.tokens == sum(map(len, prompts))
     assert burst.one_by_one_ms > 0 and burst.packed_ms > 0
     assert engine.fast.length == 0

@@ -12,7 +12,7 @@ import torch
 from sparse_engine.runtime import kernels, packed
 from sparse_engine.runtime.batch import KVSlots
 from sparse_engine.runtime.generation import GenerationRequest
-from sparse_engine.runtime.packed import PACKED_TOKENS, Segment, _passes, prefill_packed
+from sparse_engine.runtime.packed import Segment, _passes, prefill_packed
 from sparse_engine.runtime.scheduler import Scheduler
 from sparse_engine.sparsity.plan import Level
 from sparse_engine.sparsity.recorder import SignalRecorder
@@ -74,14 +74,16 @@ def test_a_packed_prefill_refuses_an_empty_or_too_long_segment() -> None:
         prefill_packed(slots, [Segment(0, 10, list(range(1, 8)), limits, None, None)])
 
 
-def test_packed_passes_hold_at_most_the_token_cap_and_a_longer_prompt_alone() -> None:
+def test_packed_passes_hold_at_most_the_token_cap_and_a_longer_prompt_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     def opened(size: int) -> Any:
         return (size, None, Segment(0, 0, [1] * size, torch.empty(0), None, None))
 
-    sizes = [600, 300, 200, 1500, 100, 1024]
+    monkeypatch.setattr(packed, "PACKED_TOKENS", 1000)
+    sizes = [600, 300, 200, 1500, 100, 1000]
     groups = _passes([opened(n) for n in sizes])
-    assert [[item[0] for item in g] for g in groups] == [[600, 300], [200], [1500], [100], [1024]]
-    assert PACKED_TOKENS == 1024
+    assert [[item[0] for item in g] for g in groups] == [[600, 300], [200], [1500], [100], [1000]]
 
 
 def test_prompts_past_one_packed_pass_prefill_in_several(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,7 +16,7 @@ from services.cli.bench_packing import packing_rounds, print_packing
 from services.cli.common import emit, emit_json
 from services.config import Settings
 from services.shared.engine import build_engine
-from sparse_engine.bench.batch_step import batch_step_speed, burst_ms, prefill_speed
+from sparse_engine.bench.batch_step import batch_step_speed, burst_speed, prefill_speed
 from sparse_engine.bench.speed import (
     GB,
     SpeedRow,
@@ -90,7 +90,7 @@ def run_batch_step(args: argparse.Namespace, settings: Settings) -> int:
     rows = batch_step_speed(engine, plan, prompts, sizes)
     joined = [t for ids in prompts for t in ids]
     prefills = prefill_speed(engine, plan, joined, lengths)
-    burst = burst_ms(engine, plan, prompts)
+    burst = burst_speed(engine, plan, prompts)
     tokens = sorted(len(ids) for ids in prompts)
     load = None
     if args.load_clients:

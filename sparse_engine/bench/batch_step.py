@@ -75,7 +75,7 @@ class Burst:
     packed_ms: float  # median: one packed prefill of them all (`runtime.packed`)
 
 
-def burst_ms(
+def burst_speed(
     engine: Engine, plan: SparsityPlan, prompts: list[list[int]], repeats: int = 3
 ) -> Burst:
     """Milliseconds to prefill `prompts` arriving together, one after another and in one packed

@@ -23,7 +23,6 @@ from sparse_engine.runtime.prefill import (
     FastKVState,
     OpenPrefill,
     Prefill,
-    Prefilled,
     ReferenceKV,
 )
 from sparse_engine.runtime.prefix_cache import CacheKey, PrefixCache
@@ -205,25 +204,21 @@ class Engine:
 
     def prefill(self, seq: Sequence) -> FastKV | ReferenceKV:
         """Run `seq`'s prompt (inside `passes`); its first logits are `seq.prefilled.logits`."""
-        path, seq.prefilled = self._prefill(
-            seq.fast, seq.request, seq.plan, seq.prompt_ids, seq.recorder, seq.readout
-        )
+        path, prefill, ends = self._prefill_of(seq)
+        with seq.recorder.one_step() if seq.recorder is not None else nullcontext():
+            seq.prefilled = prefill.run(seq.prompt_ids, ends)
         return path
 
     def open_prefill(self, seq: Sequence, stack: ExitStack) -> OpenPrefill:
         """`prefill` of a fast-path `seq` but for its last part, which the caller runs (packed
         with other prompts' last parts: `runtime.packed`) and hands to `OpenPrefill.close`;
         `stack` holds the recorder's single prefill step open until it closes."""
-        if seq.fast is None:
+        path, prefill, ends = self._prefill_of(seq)
+        if not isinstance(path, FastKV):
             raise ValueError("only a fast-path prefill runs packed")
         if seq.recorder is not None:
             stack.enter_context(seq.recorder.one_step())
-        path = FastKV(seq.fast, seq.plan, seq.recorder, seq.readout)
-        reuse = seq.request.use_prefix_cache
-        store = self.fast_prefixes if reuse else None
-        prefill = Prefill(path, store, self._cache_key(seq.plan), seq.recorder)
-        ends = self._prefix_ends(seq.request, seq.prompt_ids) if reuse else []
-        cached, mismatch, start = prefill.begin(seq.prompt_ids, [*ends, len(seq.prompt_ids)])
+        cached, mismatch, start = prefill.begin(seq.prompt_ids, ends)
         return OpenPrefill(path, prefill, cached, mismatch, start)
 
     def finish(self, seq: Sequence, drift: float | None = None) -> GenerationStats:
@@ -312,27 +307,21 @@ class Engine:
             return None
         return fast
 
-    def _prefill(
-        self,
-        fast: FastDecoder | None,
-        request: GenerationRequest,
-        plan: SparsityPlan,
-        prompt_ids: list[int],
-        recorder: SignalRecorder | None,
-        readout: Readout | None = None,
-    ) -> tuple[FastKV | ReferenceKV, Prefilled]:
-        """The prompt through the decode path, reusing a cached prefix where one applies."""
-        key, reuse = self._cache_key(plan), request.use_prefix_cache
+    def _prefill_of(self, seq: Sequence) -> tuple[FastKV | ReferenceKV, Prefill[Any], list[int]]:
+        """`seq`'s decode path, its prefill (reusing a cached prefix where one applies) and the
+        ends of the prompt's parts (reusable prefixes, then the whole prompt)."""
+        key, reuse = self._cache_key(seq.plan), seq.request.use_prefix_cache
         path: FastKV | ReferenceKV
-        if fast is None:
-            path = ReferenceKV(self, recorder, readout)
-            run = Prefill(path, self.prefix_cache if reuse else None, key, recorder).run
+        store: PrefixCache[Any] | None
+        if seq.fast is None:
+            path = ReferenceKV(self, seq.recorder, seq.readout)
+            store = self.prefix_cache if reuse else None
         else:
-            path = FastKV(fast, plan, recorder, readout)
-            run = Prefill(path, self.fast_prefixes if reuse else None, key, recorder).run
-        ends = self._prefix_ends(request, prompt_ids) if reuse else []
-        with recorder.one_step() if recorder is not None else nullcontext():
-            return path, run(prompt_ids, [*ends, len(prompt_ids)])
+            path = FastKV(seq.fast, seq.plan, seq.recorder, seq.readout)
+            store = self.fast_prefixes if reuse else None
+        ends = self._prefix_ends(seq.request, seq.prompt_ids) if reuse else []
+        prefill: Prefill[Any] = Prefill(path, store, key, seq.recorder)
+        return path, prefill, [*ends, len(seq.prompt_ids)]
 
     def _prefix_ends(self, request: GenerationRequest, prompt_ids: list[int]) -> list[int]:
         """Where a prefix later requests may share ends: the prompt without its last message
