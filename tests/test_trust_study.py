@@ -1,18 +1,20 @@
 """The parts of the trust studies that decide their figures: passage-disjoint halves, the
-length-matched control spans, the retrieval policies' arithmetic, each matrix cell's
-baselines, and what the temperature study counts as a loop."""
+length-matched control spans, the retrieval policies' arithmetic and route threshold, each
+matrix cell's baselines, and what the temperature study counts as a loop."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 
-from services.cli.retrieval_study import _policy, budget_threshold
+from services.cli.retrieval_study import _policy
 from services.cli.temperature_study import looped
 from services.cli.trust_study import _judged
 from sparse_engine.trust.evaluate import QARecord
 from sparse_engine.trust.features import RequestSignals
+from sparse_engine.trust.flagging import tolerance_floor
 from sparse_engine.trust.model import fit
 from sparse_engine.trust.proxy import control_answers, length_matched
 from sparse_engine.trust.qa import QAItem, answer_terms, qa_sample
@@ -68,15 +70,23 @@ def test_retrieval_policy_arithmetic() -> None:
     assert got["curve"][-1] == (1.0, got["always"])
 
 
-def test_a_route_threshold_regenerates_its_budget_of_the_answers_it_was_learned_on() -> None:
-    scores = [i / 100 for i in range(100)]
-    random.Random(1).shuffle(scores)
-    for budget in (0.1, 0.5, 0.9):
-        threshold = budget_threshold(scores, budget)
-        assert sum(s < threshold for s in scores) == round(budget * 100)
-    assert budget_threshold([0.4], 0.5) == 0.4  # one answer: nothing falls under it
-    with pytest.raises(ValueError, match="no answers"):
-        budget_threshold([], 0.5)
+def test_a_route_threshold_keeps_its_budget_with_the_confidence_asked() -> None:
+    # For uniform scores the share of new answers under a threshold is the threshold itself:
+    # over many fit samples it must be within the budget in at least 90 % of them, and the
+    # next order statistic up must not be (the bound is the tightest one).
+    rng = random.Random(1)
+    for n, budget in ((46, 0.5), (200, 0.5), (100, 0.1)):
+        within = within_next = 0
+        for _ in range(2000):
+            ordered = sorted(rng.random() for _ in range(n))
+            threshold = tolerance_floor(ordered, budget, 0.9)
+            k = ordered.index(threshold) + 1
+            within += threshold <= budget
+            within_next += ordered[k] <= budget
+        assert within / 2000 >= 0.88, (n, budget, within)
+        assert within_next / 2000 < 0.92, (n, budget, within_next)
+    assert math.isinf(tolerance_floor([0.1, 0.2, 0.3], 0.5, 0.9))  # 3 answers: too few
+    assert tolerance_floor([], 0.5, 0.9) == -math.inf
 
 
 def test_matrix_cells_report_the_best_baseline_in_its_better_direction() -> None:

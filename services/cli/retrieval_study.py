@@ -6,13 +6,16 @@ retrieving only when the trust score falls under the level's flag threshold (the
 answer is the always-retrieve one: greedy decoding gives the same tokens), with the share of
 requests regenerated; and likewise for `simplify` against its own baseline. Also the whole
 trade-off: accuracy against the share regenerated, over every threshold; and the policies at a
-route threshold learned for a regeneration budget on the fit half's closed-book answers (the
-score under which that share of them falls), which `SPARSEGUARD_TRUST__ACT_BELOW` sets."""
+route threshold learned for a regeneration budget on the fit half's closed-book answers (a
+tolerance bound: with the given confidence at most that share of such answers falls under it),
+which `SPARSEGUARD_TRUST__ACT_BELOW` sets. Answers are generated in batches, as the gateway
+batches concurrent requests."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,8 +31,10 @@ from services.storage.db import make_engine, session_factory, upgrade
 from sparse_engine.data.qa_sets import QA_SETS
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.runtime.generation import GenerationRequest, Message
+from sparse_engine.runtime.offline import generate_all
 from sparse_engine.sparsity.plan import Level
 from sparse_engine.trust.features import from_stats
+from sparse_engine.trust.flagging import tolerance_floor
 from sparse_engine.trust.model import TrustModel, TrustStore
 from sparse_engine.trust.qa import QAItem, grade, load_qa, qa_messages, qa_sample
 
@@ -52,6 +57,12 @@ def register(commands: Any) -> None:
         default=0.5,
         help="share of requests a route may regenerate: its threshold is learned on the fit half",
     )
+    cmd.add_argument(
+        "--confidence",
+        type=float,
+        default=0.9,
+        help="probability that the route's threshold keeps within --budget on new traffic",
+    )
     cmd.add_argument("--model", help="model name, HF directory or GGUF file")
     cmd.add_argument("--json", action="store_true", help="print the figures as JSON")
     cmd.set_defaults(handler=run_retrieval)
@@ -62,6 +73,8 @@ def run_retrieval(args: argparse.Namespace, settings: Settings) -> int:
         raise ValueError("--n and --k must be at least 1")
     if not 0.0 < args.budget < 1.0:
         raise ValueError("--budget is a share of requests, between 0 and 1 (e.g. 0.5)")
+    if not 0.0 < args.confidence < 1.0:
+        raise ValueError("--confidence is a probability, between 0 and 1 (e.g. 0.9)")
     level = Level.parse(args.level)
     items = load_qa(args.data, settings.cache_home)
     indices = qa_sample(items, "eval", args.n)
@@ -74,10 +87,7 @@ def run_retrieval(args: argparse.Namespace, settings: Settings) -> int:
     def ask(
         name: str, prompt: Callable[[QAItem], list[Message]], asked: list[QAItem] = closed
     ) -> list[Answer]:
-        out = []
-        for item in tqdm(asked, unit="answer", desc=name):
-            out.append(_answer(eng, model, item, prompt(item), level, args.max_new_tokens))
-        return out
+        return _answers(eng, model, asked, [prompt(i) for i in asked], level, args, name)
 
     never = ask("never retrieve", qa_messages)
     always = ask(
@@ -86,9 +96,13 @@ def run_retrieval(args: argparse.Namespace, settings: Settings) -> int:
     )
     simple = ask("always simplify", lambda item: simplified(qa_messages(item)))
     threshold = model.flag_thresholds.get(level.value, settings.trust.min_score)
-    learned = budget_threshold(
-        [s for _, s in ask("fit half, closed book", qa_messages, fit)], args.budget
-    )
+    fit_scores = [s for _, s in ask("fit half, closed book", qa_messages, fit)]
+    learned = tolerance_floor(fit_scores, args.budget, args.confidence)
+    if math.isinf(learned):
+        raise ValueError(
+            f"the fit half's {len(fit)} closed-book answers are too few to hold a "
+            f"{args.budget:.0%} budget with {args.confidence:.0%} confidence: raise --n"
+        )
     figures = {
         "data": args.data,
         "n": len(indices),
@@ -98,8 +112,10 @@ def run_retrieval(args: argparse.Namespace, settings: Settings) -> int:
         "retrieve": _policy(never, always, threshold),
         "simplify": _policy(never, simple, threshold),
         "budget": args.budget,
+        "confidence": args.confidence,
         "fit_n": len(fit),
         "route_threshold": learned,
+        "fit_share_under": round(sum(s < learned for s in fit_scores) / len(fit), 4),
         "retrieve_at_budget": _policy(never, always, learned),
         "simplify_at_budget": _policy(never, simple, learned),
     }
@@ -110,29 +126,34 @@ def run_retrieval(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-def _answer(
+def _answers(
     eng: Engine,
     model: TrustModel,
-    item: QAItem,
-    messages: list[Message],
+    items: list[QAItem],
+    prompts: list[list[Message]],
     level: Level,
-    max_new_tokens: int,
-) -> Answer:
-    request = GenerationRequest(
-        messages=messages, max_new_tokens=max_new_tokens, measure_drift=True, readout=True
-    )
-    stats = eng.generate(request, level).result()
-    score = model.score(from_stats(stats, messages[-1]["content"]))
-    return grade(stats.text, item.answers).correct, score
-
-
-def budget_threshold(scores: list[float], budget: float) -> float:
-    """The score under which a share `budget` of `scores` falls (ties aside): a route that
-    acts below it regenerates about that share of traffic like these answers."""
-    ranked = sorted(scores)
-    if not ranked:
-        raise ValueError("no answers to learn a threshold from")
-    return ranked[min(int(budget * len(ranked)), len(ranked) - 1)]
+    args: argparse.Namespace,
+    name: str,
+) -> list[Answer]:
+    """Each item's answer, graded, with its trust score."""
+    jobs = [
+        (
+            GenerationRequest(
+                messages=messages,
+                max_new_tokens=args.max_new_tokens,
+                measure_drift=True,
+                readout=True,
+            ),
+            level,
+        )
+        for messages in prompts
+    ]
+    with tqdm(total=len(jobs), unit="answer", desc=name) as bar:
+        answers = generate_all(eng, jobs, progress=bar.update)
+    return [
+        (grade(stats.text, item.answers).correct, model.score(from_stats(stats, m[-1]["content"])))
+        for item, m, stats in zip(items, prompts, answers, strict=True)
+    ]
 
 
 def _policy(first: list[Answer], second: list[Answer], threshold: float) -> dict[str, Any]:
@@ -197,8 +218,10 @@ def _print(f: dict[str, Any]) -> None:
     for action in ("retrieve", "simplify"):
         _print_policy(action, f[action])
     emit(
-        f"route threshold {f['route_threshold']:.3f}: the score under which "
-        f"{100 * f['budget']:.0f} % of the fit half's {f['fit_n']} closed-book answers fall"
+        f"route threshold {f['route_threshold']:.3f}: with {100 * f['confidence']:.0f} % "
+        f"confidence at most {100 * f['budget']:.0f} % of answers like the fit half's "
+        f"{f['fit_n']} closed-book ones fall under it ({100 * f['fit_share_under']:.0f} % of "
+        "them did)"
     )
     for action in ("retrieve", "simplify"):
         _print_policy(action, f[f"{action}_at_budget"])

@@ -75,6 +75,38 @@ def conformal_ceiling(values: Sequence[float], budget: float) -> float:
     return -conformal_floor([-v for v in values], budget)
 
 
+def tolerance_floor(scores: Sequence[float], budget: float, confidence: float) -> float:
+    """A threshold t such that, with probability `confidence` over the sample, `score < t`
+    holds for at most `budget` of the answers exchangeable with `scores` (conformal_floor
+    holds it only on average, so half the time the realised share is over): the k-th smallest
+    score for the largest k with P(Binomial(n, budget) >= k) >= confidence, since the share
+    under the k-th smallest of n is Beta(k, n + 1 - k). -inf when the sample is too small."""
+    ordered = sorted(scores)
+    n, k = len(ordered), 0
+    while k < n and _binomial_tail(n, budget, k + 1) >= confidence:
+        k += 1
+    return -math.inf if k == 0 else ordered[k - 1]
+
+
+def _binomial_tail(n: int, p: float, k: int) -> float:
+    """P(Binomial(n, p) >= k), summed in log space (no overflow for large n)."""
+    if p <= 0.0:
+        return 1.0 if k <= 0 else 0.0
+    if p >= 1.0:
+        return 1.0 if k <= n else 0.0
+
+    def log_term(i: int) -> float:
+        return (
+            math.lgamma(n + 1)
+            - math.lgamma(i + 1)
+            - math.lgamma(n - i + 1)
+            + i * math.log(p)
+            + (n - i) * math.log1p(-p)
+        )
+
+    return sum(math.exp(log_term(i)) for i in range(max(k, 0), n + 1))
+
+
 def set_flag_threshold(
     model: TrustModel, healthy: Sequence[RequestSignals], budget: float, route: str, level: str
 ) -> list[float]:
