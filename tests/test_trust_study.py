@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from services.cli.retrieval_study import _policy
+from services.cli.retrieval_study import _fixes, _policy
 from services.cli.temperature_study import looped
 from services.cli.trust_study import _judged
 from sparse_engine.trust.evaluate import QARecord
@@ -68,6 +68,11 @@ def test_retrieval_policy_arithmetic() -> None:
     assert got["regenerated"] == 0.5 and got["gain_recovered"] is None  # always gains nothing
     assert got["curve"][0] == (0.0, 0.5) and got["curve"][2] == (0.5, 0.75)
     assert got["curve"][-1] == (1.0, got["always"])
+    why = _fixes(first, second, match=[3.0, 1.0, 2.0, 0.0])
+    assert (why["fixes"], why["breaks"]) == (1, 1)
+    assert why["trust_auroc_right"] == 1.0  # the two right answers are the trusted ones
+    assert why["low_trust_auroc_fix"] == 1.0  # the fix is the least trusted answer
+    assert why["match_auroc_fix"] == round(2 / 3, 4)  # its passage ranks above two of three
 
 
 def test_a_route_threshold_keeps_its_budget_with_the_confidence_asked() -> None:

@@ -29,6 +29,7 @@ from services.shared.engine import build_engine
 from services.storage import kb as knowledge
 from services.storage.db import make_engine, session_factory, upgrade
 from sparse_engine.data.qa_sets import QA_SETS
+from sparse_engine.evaluation.ranking import auroc
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.runtime.generation import GenerationRequest, Message
 from sparse_engine.runtime.offline import generate_all
@@ -90,9 +91,9 @@ def run_retrieval(args: argparse.Namespace, settings: Settings) -> int:
         return _answers(eng, model, asked, [prompt(i) for i in asked], level, args, name)
 
     never = ask("never retrieve", qa_messages)
+    hits = {item.question: search(item.question, args.k) for item in closed}
     always = ask(
-        "always retrieve",
-        lambda item: with_passages(qa_messages(item), search(item.question, args.k), 800),
+        "always retrieve", lambda item: with_passages(qa_messages(item), hits[item.question], 800)
     )
     simple = ask("always simplify", lambda item: simplified(qa_messages(item)))
     threshold = model.flag_thresholds.get(level.value, settings.trust.min_score)
@@ -111,6 +112,7 @@ def run_retrieval(args: argparse.Namespace, settings: Settings) -> int:
         "flag_threshold": threshold,
         "retrieve": _policy(never, always, threshold),
         "simplify": _policy(never, simple, threshold),
+        "retrieval_fixes": _fixes(never, always, [_top_rank(hits[i.question]) for i in closed]),
         "budget": args.budget,
         "confidence": args.confidence,
         "fit_n": len(fit),
@@ -182,6 +184,30 @@ def _policy(first: list[Answer], second: list[Answer], threshold: float) -> dict
     }
 
 
+def _top_rank(found: list[knowledge.Hit]) -> float:
+    return found[0].rank if found else -math.inf
+
+
+def _fixes(first: list[Answer], second: list[Answer], match: list[float]) -> dict[str, Any]:
+    """What decides the gain: how many answers retrieval fixes and breaks, and how well each
+    signal known before regenerating ranks them (AUROC): the trust score for a right
+    closed-book answer (the answers a policy should keep), low trust and the best passage's
+    search rank for a fix."""
+    fixed = [b and not a for (a, _), (b, _) in zip(first, second, strict=True)]
+    scores = [s for _, s in first]
+    return {
+        "fixes": sum(fixed),
+        "breaks": sum(a and not b for (a, _), (b, _) in zip(first, second, strict=True)),
+        "trust_auroc_right": _rounded(auroc(scores, [a for a, _ in first])),
+        "low_trust_auroc_fix": _rounded(auroc([-s for s in scores], fixed)),
+        "match_auroc_fix": _rounded(auroc(match, fixed)),
+    }
+
+
+def _rounded(value: float) -> float | None:
+    return None if math.isnan(value) else round(value, 4)
+
+
 def _knowledge_base(
     settings: Settings, data: str, items: list[QAItem]
 ) -> Callable[[str, int], list[knowledge.Hit]]:
@@ -217,6 +243,12 @@ def _print(f: dict[str, Any]) -> None:
     )
     for action in ("retrieve", "simplify"):
         _print_policy(action, f[action])
+    x = f["retrieval_fixes"]
+    emit(
+        f"retrieval fixes {x['fixes']} closed-book answers and breaks {x['breaks']}; AUROC of "
+        f"the trust score for a right closed-book answer {x['trust_auroc_right']}, for a fix: "
+        f"low trust {x['low_trust_auroc_fix']}, the best passage's rank {x['match_auroc_fix']}"
+    )
     emit(
         f"route threshold {f['route_threshold']:.3f}: with {100 * f['confidence']:.0f} % "
         f"confidence at most {100 * f['budget']:.0f} % of answers like the fit half's "
