@@ -243,11 +243,12 @@ def _print(f: dict[str, Any]) -> None:
     )
     for action in ("retrieve", "simplify"):
         _print_policy(action, f[action])
-    x = f["retrieval_fixes"]
+    x = {k: "n/a" if v is None else f"{v:.3f}" for k, v in f["retrieval_fixes"].items()}
     emit(
-        f"retrieval fixes {x['fixes']} closed-book answers and breaks {x['breaks']}; AUROC of "
-        f"the trust score for a right closed-book answer {x['trust_auroc_right']}, for a fix: "
-        f"low trust {x['low_trust_auroc_fix']}, the best passage's rank {x['match_auroc_fix']}"
+        f"retrieval fixes {f['retrieval_fixes']['fixes']} closed-book answers and breaks "
+        f"{f['retrieval_fixes']['breaks']}; AUROC of the trust score for a right closed-book "
+        f"answer {x['trust_auroc_right']}, for a fix: low trust {x['low_trust_auroc_fix']}, "
+        f"the best passage's rank {x['match_auroc_fix']}"
     )
     emit(
         f"route threshold {f['route_threshold']:.3f}: with {100 * f['confidence']:.0f} % "
