@@ -1,17 +1,20 @@
 """The parts of the trust studies that decide their figures: passage-disjoint halves, the
 length-matched control spans, the retrieval policies' arithmetic and route threshold, each
-matrix cell's baselines, and what the temperature study counts as a loop."""
+matrix cell's baselines, the learning curve's samples and picture, and what the temperature
+study counts as a loop."""
 
 from __future__ import annotations
 
+import argparse
 import math
 import random
+from pathlib import Path
 
 import pytest
 
 from services.cli.retrieval_study import _fixes, _policy
 from services.cli.temperature_study import looped
-from services.cli.trust_study import _judged
+from services.cli.trust_study import _judged, _plot, _pooled, _sizes
 from sparse_engine.trust.evaluate import QARecord
 from sparse_engine.trust.features import RequestSignals
 from sparse_engine.trust.flagging import tolerance_floor
@@ -106,6 +109,32 @@ def test_matrix_cells_report_the_best_baseline_in_its_better_direction() -> None
     cell = _judged(model, records)
     assert cell["best_baseline"] == "in_passage" and cell["best_baseline_auroc"] == 1.0
     assert cell["trust_auroc"] > 0.8 and cell["n"] == 120 and cell["wrong"] == 60
+
+
+def test_the_curve_grows_nested_fit_samples_and_draws_them(tmp_path: Path) -> None:
+    def sizes(n: int, given: str | None = None) -> list[int]:
+        return _sizes(argparse.Namespace(n=n, sizes=given))
+
+    assert sizes(600) == [150, 300, 600] and sizes(600, "600,100, 200") == [100, 200, 600]
+    for bad, message in [("0,10", "between 1 and --n"), ("700", "between 1 and --n"),
+                         ("a,b", "whole numbers"), (",", "between 1 and --n")]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            sizes(600, bad)
+    items = [QAItem(f"q{i}", ("a",), f"passage {i // 2}") for i in range(1500)]
+    largest = set(qa_sample(items, "fit", 600))
+    for smaller in (150, 300):  # a smaller sample is part of the larger one: the curve is nested
+        assert set(qa_sample(items, "fit", smaller)) < largest
+    pools = _pooled(["a", "b", "c"])
+    assert pools["all"] == (["a", "b", "c"], ["a", "b", "c"])
+    assert pools["all but b"] == (["a", "c"], ["b"]) and len(pools) == 4
+    points = [
+        {"size": size, "fit": fit_on, "test": test, "trust_auroc": 0.6, "best_baseline_auroc": 0.55}
+        for size in (150, 600)
+        for fit_on, tests in pools.items()
+        for test in tests[1]
+    ]
+    png = _plot(tmp_path / "curve.png", ["a", "b", "c"], points)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_a_loop_is_a_three_token_sequence_four_times() -> None:

@@ -10,10 +10,12 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-Series = Sequence[tuple[float, float]]  # (step, value)
+Series = Sequence[tuple[float, float]]  # (x, value)
 
 
-def render_curves(path: Path, title: str, panels: Mapping[str, Mapping[str, Series]]) -> Path:
+def render_curves(
+    path: Path, title: str, panels: Mapping[str, Mapping[str, Series]], xlabel: str = "step"
+) -> Path:
     """Write `panels` (panel title -> line label -> points) side by side to `path`."""
     if not panels:
         raise ValueError("nothing to draw: no curve has any point")
@@ -24,7 +26,7 @@ def render_curves(path: Path, title: str, panels: Mapping[str, Mapping[str, Seri
                 steps, values = zip(*points, strict=True)
                 ax.plot(steps, values, marker="o" if len(points) < 20 else None, label=label)
         ax.set_title(name)
-        ax.set_xlabel("step")
+        ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     figure.suptitle(title)
