@@ -14,7 +14,7 @@ import pytest
 
 from services.cli.retrieval_study import _fixes, _policy
 from services.cli.temperature_study import looped
-from services.cli.trust_study import _judged, _plot, _pooled, _sizes
+from services.cli.trust_study import _fit_n, _judged, _plot, _pooled, _sizes
 from sparse_engine.trust.evaluate import QARecord
 from sparse_engine.trust.features import RequestSignals
 from sparse_engine.trust.flagging import tolerance_floor
@@ -116,6 +116,10 @@ def test_the_curve_grows_nested_fit_samples_and_draws_them(tmp_path: Path) -> No
         return _sizes(argparse.Namespace(n=n, sizes=given))
 
     assert sizes(600) == [150, 300, 600] and sizes(600, "600,100, 200") == [100, 200, 600]
+    assert _fit_n(argparse.Namespace(n=600, fit_n=None)) == 600  # the matrix's fit halves
+    assert _fit_n(argparse.Namespace(n=600, fit_n=300)) == 300
+    with pytest.raises(ValueError, match="--fit-n must be at least 1"):
+        _fit_n(argparse.Namespace(n=600, fit_n=0))
     for bad, message in [("0,10", "between 1 and --n"), ("700", "between 1 and --n"),
                          ("a,b", "whole numbers"), (",", "between 1 and --n")]:  # fmt: skip
         with pytest.raises(ValueError, match=message):

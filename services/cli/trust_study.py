@@ -37,6 +37,7 @@ def register(commands: Any) -> None:
     evaluate = eval_commands(commands)
     matrix = evaluate.add_parser("trust-matrix", help="fit on each QA set, test on every set")
     _sets_args(matrix)
+    matrix.add_argument("--fit-n", type=int, help="items of each fit half (default: --n)")
     matrix.set_defaults(handler=run_matrix)
     curve = evaluate.add_parser(
         "trust-curve", help="trust AUROC of the pooled fits against the fit answers per set"
@@ -62,11 +63,11 @@ def _sets_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_matrix(args: argparse.Namespace, settings: Settings) -> int:
-    sets = _sets(args)
+    sets, fit_n = _sets(args), _fit_n(args)
     eng = build_engine(settings, args.model)
     upstream = build_engine(settings, args.upstream) if args.upstream else None
     evals = {name: _records(args, settings, eng, upstream, name, "eval", args.n) for name in sets}
-    fits = {name: _records(args, settings, eng, upstream, name, "fit", args.n) for name in sets}
+    fits = {name: _records(args, settings, eng, upstream, name, "fit", fit_n) for name in sets}
     pools = {name: ([name], sets) for name in sets} | _pooled(sets)
     cells = [
         {"fit": train, "test": test, **_judged(model, evals[test])}
@@ -74,7 +75,14 @@ def run_matrix(args: argparse.Namespace, settings: Settings) -> int:
         for model in [_fit(args, settings, eng, fits, members)]
         for test in tests
     ]
-    figures = {"mode": args.mode, "upstream": args.upstream, "level": args.level, "cells": cells}
+    figures = {
+        "mode": args.mode,
+        "upstream": args.upstream,
+        "level": args.level,
+        "eval_n": args.n,
+        "fit_n": fit_n,
+        "cells": cells,
+    }
     if args.json:
         emit_json(figures)
     else:
@@ -253,6 +261,14 @@ def _plot(path: Path, sets: list[str], points: list[dict[str, Any]]) -> Path:
     return render_curves(
         path, "trust AUROC for a wrong answer (eval halves)", panels, xlabel="fit items per set"
     )
+
+
+def _fit_n(args: argparse.Namespace) -> int:
+    if args.fit_n is None:
+        return int(args.n)
+    if args.fit_n < 1:
+        raise ValueError(f"--fit-n must be at least 1, got {args.fit_n}")
+    return int(args.fit_n)
 
 
 def _sizes(args: argparse.Namespace) -> list[int]:
