@@ -111,15 +111,18 @@ def test_matrix_cells_report_the_best_baseline_in_its_better_direction() -> None
     assert cell["trust_auroc"] > 0.8 and cell["n"] == 120 and cell["wrong"] == 60
 
 
+def test_the_matrix_fit_halves_default_to_the_eval_size_and_reject_nonsense() -> None:
+    assert _fit_n(argparse.Namespace(n=600, fit_n=None)) == 600
+    assert _fit_n(argparse.Namespace(n=600, fit_n=300)) == 300
+    with pytest.raises(ValueError, match="--fit-n must be at least 1"):
+        _fit_n(argparse.Namespace(n=600, fit_n=0))
+
+
 def test_the_curve_grows_nested_fit_samples_and_draws_them(tmp_path: Path) -> None:
     def sizes(n: int, given: str | None = None) -> list[int]:
         return _sizes(argparse.Namespace(n=n, sizes=given))
 
     assert sizes(600) == [150, 300, 600] and sizes(600, "600,100, 200") == [100, 200, 600]
-    assert _fit_n(argparse.Namespace(n=600, fit_n=None)) == 600  # the matrix's fit halves
-    assert _fit_n(argparse.Namespace(n=600, fit_n=300)) == 300
-    with pytest.raises(ValueError, match="--fit-n must be at least 1"):
-        _fit_n(argparse.Namespace(n=600, fit_n=0))
     for bad, message in [("0,10", "between 1 and --n"), ("700", "between 1 and --n"),
                          ("a,b", "whole numbers"), (",", "between 1 and --n")]:  # fmt: skip
         with pytest.raises(ValueError, match=message):

@@ -114,9 +114,12 @@ def run_curve(args: argparse.Namespace, settings: Settings) -> int:
                     }
                 )
     figures = {"mode": args.mode, "level": args.level, "eval_n": args.n, "points": points}
-    if args.plot:  # on stderr with --json, so stdout stays one JSON document
-        written = f"curves written to {_plot(args.plot, sets, points)}"
-        (log.info if args.json else emit)(written)
+    if args.plot:
+        written = _plot(args.plot, sets, points)
+        if args.json:  # stdout stays one JSON document
+            log.info("curves written to %s", written)
+        else:
+            emit(f"curves written to {written}")
     if args.json:
         emit_json(figures)
     else:
