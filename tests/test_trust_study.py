@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.retrieval_study import _fixes, _policy
+from services.cli.retrieval_study import _baselines, _fixes, _policy
 from services.cli.temperature_study import looped
 from services.cli.trust_study import _fit_n, _judged, _plot, _pooled, _sizes
+from sparse_engine.evaluation.ranking import auroc
 from sparse_engine.trust.evaluate import QARecord
 from sparse_engine.trust.features import RequestSignals
 from sparse_engine.trust.flagging import tolerance_floor
-from sparse_engine.trust.model import fit
+from sparse_engine.trust.model import fit, out_of_fold
 from sparse_engine.trust.proxy import control_answers, length_matched
 from sparse_engine.trust.qa import QAItem, answer_terms, qa_sample
 
@@ -95,6 +96,27 @@ def test_a_route_threshold_keeps_its_budget_with_the_confidence_asked() -> None:
         assert within_next / 2000 < 0.92, (n, budget, within_next)
     assert math.isinf(tolerance_floor([0.1, 0.2, 0.3], 0.5, 0.9))  # 3 answers: too few
     assert tolerance_floor([], 0.5, 0.9) == -math.inf
+
+
+def test_out_of_fold_scores_are_those_of_answers_the_fit_never_saw() -> None:
+    # Labels that carry signal in mean log-probability rank well out of fold too; labels that
+    # are noise rank at chance out of fold, though the fit on all the data has seen them.
+    rng = random.Random(5)
+    signals = [RequestSignals(mean_logprob=rng.gauss(0.0, 1.0), length=rng.randint(1, 9))
+               for _ in range(200)]  # fmt: skip
+    for labels, low, high in (
+        ([s.mean_logprob + rng.gauss(0.0, 0.5) > 0 for s in signals], 0.85, 1.0),
+        ([rng.random() < 0.5 for _ in signals], 0.3, 0.65),
+    ):
+        model = fit(signals, labels, model_id="m", level="balanced", fit_data={})
+        held_out = out_of_fold(signals, labels, model)
+        assert len(held_out) == 200 and all(0.0 <= s <= 1.0 for s in held_out)
+        assert low <= auroc(held_out, labels) <= high
+    answers = [(s.mean_logprob > 0, 0.5) for s in signals]
+    got = _baselines(answers, signals)
+    assert got["mean_logprob"] == 1.0 and got["answer_length"] is not None
+    assert got["answer_length"] < 0.65 and set(got) == {
+        "answer_length", "mean_logprob", "min_logprob", "mean_entropy"}  # fmt: skip
 
 
 def test_matrix_cells_report_the_best_baseline_in_its_better_direction() -> None:

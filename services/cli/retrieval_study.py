@@ -34,9 +34,10 @@ from sparse_engine.runtime.engine import Engine
 from sparse_engine.runtime.generation import GenerationRequest, Message
 from sparse_engine.runtime.offline import generate_all
 from sparse_engine.sparsity.plan import Level
-from sparse_engine.trust.features import from_stats
+from sparse_engine.trust.features import RequestSignals, from_stats
 from sparse_engine.trust.flagging import tolerance_floor
-from sparse_engine.trust.model import TrustModel, TrustStore
+from sparse_engine.trust.model import TrustModel, TrustStore, out_of_fold
+from sparse_engine.trust.model import fit as fit_trust
 from sparse_engine.trust.qa import QAItem, grade, load_qa, qa_messages, qa_sample
 
 log = logging.getLogger(__name__)
@@ -87,23 +88,31 @@ def run_retrieval(args: argparse.Namespace, settings: Settings) -> int:
 
     def ask(
         name: str, prompt: Callable[[QAItem], list[Message]], asked: list[QAItem] = closed
-    ) -> list[Answer]:
+    ) -> tuple[list[Answer], list[RequestSignals]]:
         return _answers(eng, model, asked, [prompt(i) for i in asked], level, args, name)
 
-    never = ask("never retrieve", qa_messages)
+    never, never_signals = ask("never retrieve", qa_messages)
     hits = {item.question: search(item.question, args.k) for item in closed}
-    always = ask(
+    always, _ = ask(
         "always retrieve", lambda item: with_passages(qa_messages(item), hits[item.question], 800)
     )
-    simple = ask("always simplify", lambda item: simplified(qa_messages(item)))
+    simple, _ = ask("always simplify", lambda item: simplified(qa_messages(item)))
     threshold = model.flag_thresholds.get(level.value, settings.trust.min_score)
-    fit_scores = [s for _, s in ask("fit half, closed book", qa_messages, fit)]
-    learned = tolerance_floor(fit_scores, args.budget, args.confidence)
-    if math.isinf(learned):
-        raise ValueError(
-            f"the fit half's {len(fit)} closed-book answers are too few to hold a "
-            f"{args.budget:.0%} budget with {args.confidence:.0%} confidence: raise --n"
-        )
+    fit_answers, fit_signals = ask("fit half, closed book", qa_messages, fit)
+    fit_scores = [s for _, s in fit_answers]
+    learned = _route_threshold(fit_scores, args)
+    # A model fit on the fit half's closed-book answers themselves; its route threshold comes
+    # from out-of-fold scores (in-sample ones would be too sure of the answers it was fit on).
+    fit_right = [r for r, _ in fit_answers]
+    route = fit_trust(
+        fit_signals,
+        fit_right,
+        model_id=eng.lm.model_id,
+        level=level.value,
+        fit_data={"data": args.data, "split": "fit", "setting": "closed book"},
+    )
+    route_learned = _route_threshold(out_of_fold(fit_signals, fit_right, route), args)
+    rescored = [(r, route.score(sig)) for (r, _), sig in zip(never, never_signals, strict=True)]
     figures = {
         "data": args.data,
         "n": len(indices),
@@ -120,6 +129,13 @@ def run_retrieval(args: argparse.Namespace, settings: Settings) -> int:
         "fit_share_under": round(sum(s < learned for s in fit_scores) / len(fit), 4),
         "retrieve_at_budget": _policy(never, always, learned),
         "simplify_at_budget": _policy(never, simple, learned),
+        "closed_book_baselines": _baselines(never, never_signals),
+        "route_model": {
+            **{k: route.fit_data[k] for k in ("items", "right", "groups", "l2", "cv_auroc")},
+            "threshold": route_learned,
+            "trust_auroc_right": _rounded(auroc([s for _, s in rescored], [r for r, _ in never])),
+            "retrieve_at_budget": _policy(rescored, always, route_learned),
+        },
     }
     if args.json:
         emit_json(figures)
@@ -136,8 +152,8 @@ def _answers(
     level: Level,
     args: argparse.Namespace,
     name: str,
-) -> list[Answer]:
-    """Each item's answer, graded, with its trust score."""
+) -> tuple[list[Answer], list[RequestSignals]]:
+    """Each item's answer, graded, with its trust score; and its signals."""
     jobs = [
         (
             GenerationRequest(
@@ -152,10 +168,24 @@ def _answers(
     ]
     with tqdm(total=len(jobs), unit="answer", desc=name) as bar:
         answers = generate_all(eng, jobs, progress=bar.update)
-    return [
-        (grade(stats.text, item.answers).correct, model.score(from_stats(stats, m[-1]["content"])))
-        for item, m, stats in zip(items, prompts, answers, strict=True)
+    signals = [
+        from_stats(stats, m[-1]["content"]) for m, stats in zip(prompts, answers, strict=True)
     ]
+    graded = [
+        (grade(stats.text, item.answers).correct, model.score(sig))
+        for item, stats, sig in zip(items, answers, signals, strict=True)
+    ]
+    return graded, signals
+
+
+def _route_threshold(scores: list[float], args: argparse.Namespace) -> float:
+    learned = tolerance_floor(scores, args.budget, args.confidence)
+    if math.isinf(learned):
+        raise ValueError(
+            f"the fit half's {len(scores)} closed-book answers are too few to hold a "
+            f"{args.budget:.0%} budget with {args.confidence:.0%} confidence: raise --n"
+        )
+    return learned
 
 
 def _policy(first: list[Answer], second: list[Answer], threshold: float) -> dict[str, Any]:
@@ -204,6 +234,23 @@ def _fixes(first: list[Answer], second: list[Answer], match: list[float]) -> dic
     }
 
 
+def _baselines(answers: list[Answer], signals: list[RequestSignals]) -> dict[str, float | None]:
+    """AUROC for a right closed-book answer of each baseline a detector must beat, in its
+    better direction (the passage is not in the prompt, so containment does not apply)."""
+    right = [r for r, _ in answers]
+    read: dict[str, Callable[[RequestSignals], float]] = {
+        "answer_length": lambda s: float(s.length),
+        "mean_logprob": lambda s: s.mean_logprob,
+        "min_logprob": lambda s: s.min_logprob,
+        "mean_entropy": lambda s: s.mean_entropy,
+    }
+    out: dict[str, float | None] = {}
+    for name, f in read.items():
+        a = auroc([f(s) for s in signals], right)
+        out[name] = None if math.isnan(a) else round(max(a, 1 - a), 4)
+    return out
+
+
 def _rounded(value: float) -> float | None:
     return None if math.isnan(value) else round(value, 4)
 
@@ -243,7 +290,7 @@ def _print(f: dict[str, Any]) -> None:
     )
     for action in ("retrieve", "simplify"):
         _print_policy(action, f[action])
-    x = {k: "n/a" if v is None else f"{v:.3f}" for k, v in f["retrieval_fixes"].items()}
+    x = {k: _shown(v) for k, v in f["retrieval_fixes"].items()}
     emit(
         f"retrieval fixes {f['retrieval_fixes']['fixes']} closed-book answers and breaks "
         f"{f['retrieval_fixes']['breaks']}; AUROC of the trust score for a right closed-book "
@@ -262,6 +309,22 @@ def _print(f: dict[str, Any]) -> None:
         "to act at it: SPARSEGUARD_TRUST__ACT_BELOW="
         f"'{{\"/v1/chat/completions\": {f['route_threshold']:.3f}}}'"
     )
+    emit(
+        "baselines, AUROC for a right closed-book answer: "
+        + "  ".join(f"{k} {_shown(v)}" for k, v in f["closed_book_baselines"].items())
+    )
+    r = f["route_model"]
+    emit(
+        f"a trust model fit on the fit half's closed-book answers ({r['items']}, {r['right']} "
+        f"right; groups {', '.join(r['groups'])}, cv AUROC {_shown(r['cv_auroc'])}): AUROC for "
+        f"a right eval-half answer {_shown(r['trust_auroc_right'])}; its route threshold "
+        f"{r['threshold']:.3f}, from its out-of-fold scores on the fit half"
+    )
+    _print_policy("retrieve", r["retrieve_at_budget"])
+
+
+def _shown(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
 
 
 def _print_policy(action: str, p: dict[str, Any]) -> None:

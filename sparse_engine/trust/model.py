@@ -238,6 +238,27 @@ def fit(
     )
 
 
+def out_of_fold(
+    signals: Sequence[RequestSignals], correct: Sequence[bool], model: TrustModel
+) -> list[float]:
+    """Each answer's score from `model`'s setting (groups, components, penalty) refit on the
+    other FOLDS - 1 folds: scores like those of answers the fit never saw, for learning a
+    threshold on the fit data itself."""
+    values = group_vectors(signals, model.baseline, model.drift_default, model.late_band)
+    y = torch.tensor(correct, dtype=torch.float64)
+    k, penalty = model.fit_data["components"], model.fit_data["l2"]
+    scores = torch.empty(len(y), dtype=torch.float64)
+    for fold in range(FOLDS):
+        test = torch.arange(len(y))[fold::FOLDS]
+        train = torch.ones(len(y), dtype=torch.bool)
+        train[test] = False
+        part = {n: values[n][train] for n in model.group_names}
+        groups, w, b = _fit_groups(part, y[train], model.group_names, k, penalty)
+        x = torch.cat([g.apply(values[g.name][test]) for g in groups], dim=1)
+        scores[test] = torch.sigmoid(x @ w + b)
+    return scores.tolist()
+
+
 Setting = tuple[tuple[str, ...], int, float]  # groups, components, penalty
 
 
