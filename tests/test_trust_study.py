@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.retrieval_study import _baselines, _fixes, _policy
+from services.cli.retrieval_study import _baselines, _fixes, _perfect_detector, _policy
 from services.cli.temperature_study import looped
 from services.cli.trust_study import _fit_n, _judged, _plot, _pooled, _sizes
 from sparse_engine.evaluation.ranking import auroc
@@ -77,6 +77,13 @@ def test_retrieval_policy_arithmetic() -> None:
     assert why["trust_auroc_right"] == 1.0  # the two right answers are the trusted ones
     assert why["low_trust_auroc_fix"] == 1.0  # the fix is the least trusted answer
     assert why["match_auroc_fix"] == round(2 / 3, 4)  # its passage ranks above two of three
+    # One fix and one break: no net gain, nothing to recover. Without the break, a perfect
+    # detector retries only the two wrong answers: a budget of two requests holds both (the
+    # fix for sure), a budget of one holds one of them (the fix by chance: half the gain).
+    assert _perfect_detector(first, second, budget=0.5) is None
+    kept = [(True, 0.9), (True, 0.8), (True, 0.5), (False, 0.5)]  # the break is gone
+    assert _perfect_detector(first, kept, budget=0.5) == 1.0
+    assert _perfect_detector(first, kept, budget=0.25) == 0.5  # one of the two wrong, by chance
 
 
 def test_a_route_threshold_keeps_its_budget_with_the_confidence_asked() -> None:

@@ -112,6 +112,7 @@ def run_retrieval(args: argparse.Namespace, settings: Settings) -> int:
         fit_data={"data": args.data, "split": "fit", "setting": "closed book"},
     )
     route_learned = _route_threshold(out_of_fold(fit_signals, fit_right, route), args)
+    ranks = [_top_rank(hits[i.question]) for i in closed]
     rescored = [(r, route.score(sig)) for (r, _), sig in zip(never, never_signals, strict=True)]
     figures = {
         "data": args.data,
@@ -121,7 +122,8 @@ def run_retrieval(args: argparse.Namespace, settings: Settings) -> int:
         "flag_threshold": threshold,
         "retrieve": _policy(never, always, threshold),
         "simplify": _policy(never, simple, threshold),
-        "retrieval_fixes": _fixes(never, always, [_top_rank(hits[i.question]) for i in closed]),
+        "retrieval_fixes": _fixes(never, always, ranks),
+        "perfect_detector_gain": _perfect_detector(never, always, args.budget),
         "budget": args.budget,
         "confidence": args.confidence,
         "fit_n": len(fit),
@@ -133,7 +135,7 @@ def run_retrieval(args: argparse.Namespace, settings: Settings) -> int:
         "route_model": {
             **{k: route.fit_data[k] for k in ("items", "right", "groups", "l2", "cv_auroc")},
             "threshold": route_learned,
-            "trust_auroc_right": _rounded(auroc([s for _, s in rescored], [r for r, _ in never])),
+            "retrieval_fixes": _fixes(rescored, always, ranks),
             "retrieve_at_budget": _policy(rescored, always, route_learned),
         },
     }
@@ -212,6 +214,18 @@ def _policy(first: list[Answer], second: list[Answer], threshold: float) -> dict
         "gain_recovered": round((on_low - base) / gain, 4) if gain > 0 else None,
         "curve": curve,
     }
+
+
+def _perfect_detector(first: list[Answer], second: list[Answer], budget: float) -> float | None:
+    """The share of the gain a perfect detector of right first answers would recover within
+    `budget` (expected): it keeps every right answer, so nothing breaks, and retries wrong ones
+    in an order blind to which of them retrieval fixes."""
+    wrong = sum(not a for a, _ in first)
+    fixes = sum(b and not a for (a, _), (b, _) in zip(first, second, strict=True))
+    gain = sum(b for b, _ in second) - sum(a for a, _ in first)
+    if gain <= 0 or wrong == 0:
+        return None
+    return round(fixes * min(1.0, budget * len(first) / wrong) / gain, 4)
 
 
 def _top_rank(found: list[knowledge.Hit]) -> float:
@@ -314,13 +328,21 @@ def _print(f: dict[str, Any]) -> None:
         + "  ".join(f"{k} {_shown(v)}" for k, v in f["closed_book_baselines"].items())
     )
     r = f["route_model"]
+    why = r["retrieval_fixes"]
     emit(
         f"a trust model fit on the fit half's closed-book answers ({r['items']}, {r['right']} "
         f"right; groups {', '.join(r['groups'])}, cv AUROC {_shown(r['cv_auroc'])}): AUROC for "
-        f"a right eval-half answer {_shown(r['trust_auroc_right'])}; its route threshold "
-        f"{r['threshold']:.3f}, from its out-of-fold scores on the fit half"
+        f"a right eval-half answer {_shown(why['trust_auroc_right'])}, low trust for a fix "
+        f"{_shown(why['low_trust_auroc_fix'])}; its route threshold {r['threshold']:.3f}, from "
+        "its out-of-fold scores on the fit half"
     )
     _print_policy("retrieve", r["retrieve_at_budget"])
+    best = f["perfect_detector_gain"]
+    emit(
+        f"a perfect detector of right closed-book answers would recover "
+        f"{'n/a' if best is None else f'{100 * best:.0f} %'} of the gain within the "
+        f"{100 * f['budget']:.0f} % budget (expected; nothing breaks, fixes found by chance)"
+    )
 
 
 def _shown(value: float | None) -> str:
