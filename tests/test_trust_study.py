@@ -12,7 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.retrieval_study import _baselines, _fixes, _perfect_detector, _policy
+from services.cli.retrieval_study import (
+    _baselines,
+    _fixes,
+    _learned_routes,
+    _perfect_detector,
+    _policy,
+)
 from services.cli.temperature_study import looped
 from services.cli.trust_study import _fit_n, _judged, _plot, _pooled, _sizes
 from sparse_engine.evaluation.ranking import auroc
@@ -178,3 +184,34 @@ def test_a_loop_is_a_three_token_sequence_four_times() -> None:
     assert not looped([1, 2, 3] * 3 + [9])  # three times is not yet a loop
     assert not looped(list(range(40))) and not looped([]) and not looped([5, 5])
     assert looped([7] * 6)  # one token repeated: (7, 7, 7) four times
+
+
+def test_the_gain_route_retries_the_answers_retrieval_fixes() -> None:
+    # Closed book, an answer is right when its mean log-probability is high; retrieval makes
+    # it right when its answer is long (a near miss) and breaks nothing. Least trusted first
+    # retries the hopeless short answers; the expected gain finds the long wrong ones.
+    rng = random.Random(7)
+
+    def half(
+        n: int,
+    ) -> tuple[list[RequestSignals], list[tuple[bool, float]], list[tuple[bool, float]]]:
+        signals = [RequestSignals(mean_logprob=rng.gauss(0.0, 1.0), length=rng.randint(1, 9))
+                   for _ in range(n)]  # fmt: skip
+        first = [(s.mean_logprob > 1.0, 0.5) for s in signals]
+        second = [(r or s.length > 6, 0.5) for (r, _), s in zip(first, signals, strict=True)]
+        return signals, first, second
+
+    test = half(300)
+    args = argparse.Namespace(data="halueval", budget=0.5, confidence=0.9)
+    routes = _learned_routes(("m", "balanced", args), half(300), test, [0.0] * 300)
+    route, gain = routes["route_model"], routes["gain_model"]
+    assert route["retrieval_fixes"]["trust_auroc_right"] > 0.9
+    assert gain["retrieval_fixes"]["low_trust_auroc_fix"] > 0.8
+    assert (
+        route["retrieval_fixes"]["low_trust_auroc_fix"]
+        < gain["retrieval_fixes"]["low_trust_auroc_fix"]
+    )
+    assert gain["retrieve_at_budget"]["regenerated"] <= 0.55
+    assert (
+        gain["retrieve_at_budget"]["gain_recovered"] > route["retrieve_at_budget"]["gain_recovered"]
+    )

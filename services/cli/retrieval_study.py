@@ -101,19 +101,19 @@ def run_retrieval(args: argparse.Namespace, settings: Settings) -> int:
     fit_answers, fit_signals = ask("fit half, closed book", qa_messages, fit)
     fit_scores = [s for _, s in fit_answers]
     learned = _route_threshold(fit_scores, args)
-    # A model fit on the fit half's closed-book answers themselves; its route threshold comes
-    # from out-of-fold scores (in-sample ones would be too sure of the answers it was fit on).
-    fit_right = [r for r, _ in fit_answers]
-    route = fit_trust(
-        fit_signals,
-        fit_right,
-        model_id=eng.lm.model_id,
-        level=level.value,
-        fit_data={"data": args.data, "split": "fit", "setting": "closed book"},
+    hits.update({item.question: search(item.question, args.k) for item in fit})
+    fit_retrieved, _ = ask(
+        "fit half, retrieved",
+        lambda item: with_passages(qa_messages(item), hits[item.question], 800),
+        fit,
     )
-    route_learned = _route_threshold(out_of_fold(fit_signals, fit_right, route), args)
     ranks = [_top_rank(hits[i.question]) for i in closed]
-    rescored = [(r, route.score(sig)) for (r, _), sig in zip(never, never_signals, strict=True)]
+    routes = _learned_routes(
+        (eng.lm.model_id, level.value, args),
+        (fit_signals, fit_answers, fit_retrieved),
+        (never_signals, never, always),
+        ranks,
+    )
     figures = {
         "data": args.data,
         "n": len(indices),
@@ -132,12 +132,7 @@ def run_retrieval(args: argparse.Namespace, settings: Settings) -> int:
         "retrieve_at_budget": _policy(never, always, learned),
         "simplify_at_budget": _policy(never, simple, learned),
         "closed_book_baselines": _baselines(never, never_signals),
-        "route_model": {
-            **{k: route.fit_data[k] for k in ("items", "right", "groups", "l2", "cv_auroc")},
-            "threshold": route_learned,
-            "retrieval_fixes": _fixes(rescored, always, ranks),
-            "retrieve_at_budget": _policy(rescored, always, route_learned),
-        },
+        **routes,
     }
     if args.json:
         emit_json(figures)
@@ -178,6 +173,45 @@ def _answers(
         for item, stats, sig in zip(items, answers, signals, strict=True)
     ]
     return graded, signals
+
+
+Half = tuple[list[RequestSignals], list[Answer], list[Answer]]  # closed-book, then retrieved
+
+
+def _learned_routes(
+    setup: tuple[str, str, argparse.Namespace], fit: Half, test: Half, ranks: list[float]
+) -> dict[str, Any]:
+    """Two routes learned on the fit half, each read off its closed-book answer's signals:
+    `route_model`, a trust model of a right closed-book answer (retry the least trusted), and
+    `gain_model`, that less a model of a right answer after retrieval (retry where the expected
+    gain is largest). Thresholds come from out-of-fold scores: in-sample ones would be too sure
+    of the answers the models were fit on."""
+    model_id, level, args = setup
+    fit_signals, fit_first, fit_second = fit
+    signals, first, second = test
+    models, held_out = [], []
+    for answers, setting in ((fit_first, "closed book"), (fit_second, "closed book, retrieved")):
+        right = [r for r, _ in answers]
+        data = {"data": args.data, "split": "fit", "setting": setting}
+        models.append(fit_trust(fit_signals, right, model_id=model_id, level=level, fit_data=data))
+        held_out.append(out_of_fold(fit_signals, right, models[-1]))
+    closed, after = ([m.score(s) for s in signals] for m in models)
+    scores = {
+        "route_model": (held_out[0], closed),
+        "gain_model": ([a - b for a, b in zip(*held_out, strict=True)],
+                       [a - b for a, b in zip(closed, after, strict=True)]),
+    }  # fmt: skip
+    out = {}
+    for (name, (fit_scores, test_scores)), model in zip(scores.items(), models, strict=True):
+        threshold = _route_threshold(fit_scores, args)
+        scored = [(r, score) for (r, _), score in zip(first, test_scores, strict=True)]
+        out[name] = {
+            **{k: model.fit_data[k] for k in ("items", "right", "groups", "l2", "cv_auroc")},
+            "threshold": threshold,
+            "retrieval_fixes": _fixes(scored, second, ranks),
+            "retrieve_at_budget": _policy(scored, second, threshold),
+        }
+    return out
 
 
 def _route_threshold(scores: list[float], args: argparse.Namespace) -> float:
@@ -327,16 +361,16 @@ def _print(f: dict[str, Any]) -> None:
         "baselines, AUROC for a right closed-book answer: "
         + "  ".join(f"{k} {_shown(v)}" for k, v in f["closed_book_baselines"].items())
     )
-    r = f["route_model"]
-    why = r["retrieval_fixes"]
-    emit(
-        f"a trust model fit on the fit half's closed-book answers ({r['items']}, {r['right']} "
-        f"right; groups {', '.join(r['groups'])}, cv AUROC {_shown(r['cv_auroc'])}): AUROC for "
-        f"a right eval-half answer {_shown(why['trust_auroc_right'])}, low trust for a fix "
-        f"{_shown(why['low_trust_auroc_fix'])}; its route threshold {r['threshold']:.3f}, from "
-        "its out-of-fold scores on the fit half"
-    )
-    _print_policy("retrieve", r["retrieve_at_budget"])
+    for name, what in (("route_model", "right"), ("gain_model", "right after retrieval")):
+        r, why = f[name], f[name]["retrieval_fixes"]
+        emit(
+            f"{name}: fit on the fit half's {r['items']} closed-book answers ({r['right']} "
+            f"{what}; groups {', '.join(r['groups'])}, cv AUROC {_shown(r['cv_auroc'])}); on the "
+            f"eval half AUROC for a right answer {_shown(why['trust_auroc_right'])}, low score "
+            f"for a fix {_shown(why['low_trust_auroc_fix'])}; route threshold "
+            f"{r['threshold']:.3f} (from out-of-fold scores)"
+        )
+        _print_policy("retrieve", r["retrieve_at_budget"])
     best = f["perfect_detector_gain"]
     emit(
         f"a perfect detector of right closed-book answers would recover "
