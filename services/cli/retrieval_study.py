@@ -8,8 +8,10 @@ requests regenerated; and likewise for `simplify` against its own baseline. Also
 trade-off: accuracy against the share regenerated, over every threshold; and the policies at a
 route threshold learned for a regeneration budget on the fit half's closed-book answers (a
 tolerance bound: with the given confidence at most that share of such answers falls under it),
-which `SPARSEGUARD_TRUST__ACT_BELOW` sets. Answers are generated in batches, as the gateway
-batches concurrent requests."""
+which `SPARSEGUARD_TRUST__ACT_BELOW` sets. Beside the serve-mode model, two routes learned on
+the fit half's closed-book and retrieved answers (`_learned_routes`), a study only: the gateway
+does not serve them. Answers are generated in batches, as the gateway batches concurrent
+requests."""
 
 from __future__ import annotations
 
@@ -34,11 +36,13 @@ from sparse_engine.runtime.engine import Engine
 from sparse_engine.runtime.generation import GenerationRequest, Message
 from sparse_engine.runtime.offline import generate_all
 from sparse_engine.sparsity.plan import Level
+from sparse_engine.trust.evaluate import QARecord
 from sparse_engine.trust.features import RequestSignals, from_stats
 from sparse_engine.trust.flagging import tolerance_floor
 from sparse_engine.trust.model import TrustModel, TrustStore, out_of_fold
 from sparse_engine.trust.model import fit as fit_trust
 from sparse_engine.trust.qa import QAItem, grade, load_qa, qa_messages, qa_sample
+from sparse_engine.trust.report import BASELINES
 
 log = logging.getLogger(__name__)
 Answer = tuple[bool, float]  # right, trust score
@@ -286,16 +290,15 @@ def _baselines(answers: list[Answer], signals: list[RequestSignals]) -> dict[str
     """AUROC for a right closed-book answer of each baseline a detector must beat, in its
     better direction (the passage is not in the prompt, so containment does not apply)."""
     right = [r for r, _ in answers]
-    read: dict[str, Callable[[RequestSignals], float]] = {
-        "answer_length": lambda s: float(s.length),
-        "mean_logprob": lambda s: s.mean_logprob,
-        "min_logprob": lambda s: s.min_logprob,
-        "mean_entropy": lambda s: s.mean_entropy,
-    }
+    records = [
+        QARecord(i, "", False, 0.0, r, sig)
+        for i, (r, sig) in enumerate(zip(right, signals, strict=True))
+    ]
     out: dict[str, float | None] = {}
-    for name, f in read.items():
-        a = auroc([f(s) for s in signals], right)
-        out[name] = None if math.isnan(a) else round(max(a, 1 - a), 4)
+    for name, read in BASELINES.items():
+        if name != "in_passage":
+            a = auroc(list(map(read, records)), right)
+            out[name] = None if math.isnan(a) else round(max(a, 1 - a), 4)
     return out
 
 
