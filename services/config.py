@@ -251,6 +251,7 @@ class SignalSettings(BaseModel):
 
 
 TrustAction = Literal["retrieve", "simplify", "flag"]
+TrustMode = Literal["serve", "proxy", "closed"]  # sparse_engine.trust.model.MODES
 
 
 ROUTE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
@@ -278,10 +279,25 @@ class TrustSettings(BaseModel):
     # in place of the healthy-chat flag threshold: a route that retrieves sees other traffic
     # (`sparseguard eval retrieval --budget B` learns one on a QA set's fit half).
     act_below: dict[str, float] = Field(default_factory=dict)
+    # Per route path, the mode of the trust models that judge that route's first answers in
+    # place of the gateway's own mode: "closed" for a route whose questions come without their
+    # passage (`sparseguard trust fit --mode closed`); a regenerated answer is judged as before.
+    route_modes: dict[str, TrustMode] = Field(default_factory=dict)
     retrieve_passages: int = Field(3, ge=1, le=20)
     passage_chars: int = Field(600, ge=50)  # each passage is cut to this many characters
     model_version: str | None = None  # pin a trust model; default: the latest for the model
     dir: Path | None = None  # trust models and evaluation records; default: <home>/trust
+
+    @field_validator("route_modes")
+    @classmethod
+    def _route_modes(cls, value: dict[str, str]) -> dict[str, str]:
+        unknown = [route for route in value if route not in ROUTE_PATHS]
+        if unknown:
+            raise ValueError(
+                f"route_modes maps a route ({', '.join(ROUTE_PATHS)}) to a trust mode, e.g. "
+                f'{{"/v1/chat/completions": "closed"}}; got {unknown[0]!r}'
+            )
+        return value
 
     @field_validator("act_below")
     @classmethod

@@ -47,13 +47,15 @@ class RecordingEngine(Engine):
         return super().start(request, plan, cancelled)
 
 
-def distrustful_model(home: Path, model_id: str) -> None:
-    """A stored trust model that scores every answer near 0, so every answer is low trust."""
+def distrustful_model(home: Path, model_id: str, bias: float = -50.0, mode: str = "serve") -> None:
+    """A stored trust model that scores every answer near 0, so every answer is low trust (or
+    near sigmoid(`bias`)), of the given mode."""
     rng = random.Random(0)
     sigs = [RequestSignals(mean_logprob=rng.gauss(0, 1)) for _ in range(40)]
     model = fit(sigs, [s.mean_logprob > 0 for s in sigs], model_id=model_id, level="balanced",
-                fit_data={"data": "test"}, l2=0.01)  # fmt: skip
-    model.bias = -50.0
+                fit_data={"data": "test"}, l2=0.01, mode=mode)  # fmt: skip
+    model.weights = [0.0] * len(model.weights)
+    model.bias = bias
     TrustStore(home / "trust").save(model)
 
 
@@ -84,6 +86,15 @@ def ask(url: str, question: str = QUESTION, stream: bool = False) -> httpx.Respo
         "stream": stream,
     }
     return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+
+
+def ask_anthropic(url: str) -> httpx.Response:
+    body = {
+        "model": "tiny-llama",
+        "max_tokens": 6,
+        "messages": [{"role": "user", "content": QUESTION}],
+    }
+    return httpx.post(f"{url}/v1/messages", json=body, timeout=60)
 
 
 @pytest.fixture
@@ -151,6 +162,33 @@ def test_nothing_retrieved_means_simplify_and_other_routes_only_flag(
     assert sorted(actions) == ["flag", "flag", "simplify"]
 
 
+def test_a_route_judged_by_closed_mode_models_retrieves_and_the_retried_answer_is_judged_as_served(
+    tmp_path: Path,
+) -> None:
+    """The served (passage) model trusts every answer, the closed-book model none: the chat
+    route, judged closed-book, retrieves; its regenerated answer, which carries passages, is
+    scored by the served model; the Anthropic route is judged by the served model only."""
+    engine = RecordingEngine(tiny_engine(cache=False))
+    distrustful_model(tmp_path, engine.lm.model_id, bias=50.0)
+    distrustful_model(tmp_path, engine.lm.model_id, bias=-50.0, mode="closed")
+    settings = settings_for(
+        tmp_path, default_action="retrieve", route_modes={"/v1/chat/completions": "closed"}
+    )
+    with_knowledge(settings, [Passage("notes", "Lighthouse", FACT)])
+    with running_gateway(settings, engine, RecordingSink()) as url:
+        chat = ask(url)
+        anthropic = ask_anthropic(url)
+        status = httpx.get(f"{url}/admin/status").json()
+    assert chat.status_code == 200 and anthropic.status_code == 200, anthropic.text
+    trust = chat.headers["x-ir-trust"]
+    assert trust.startswith("1.000; action=retrieve;") and "low-score" in trust
+    assert "first=0.000" in trust
+    assert len(engine.prompts) == 3 and FACT in engine.prompts[1] and FACT not in engine.prompts[2]
+    other = anthropic.headers["x-ir-trust"]
+    assert other.startswith("1.000;") and "low-score" not in other and "first=" not in other
+    assert status["trust_models"]["/v1/chat/completions balanced"].startswith("trust-closed-")
+
+
 def test_proxy_mode_re_asks_the_upstream_with_the_passages(tmp_path: Path) -> None:
     seen: list[dict[str, object]] = []
     engine = tiny_engine(cache=False)
@@ -179,12 +217,7 @@ def test_a_route_threshold_replaces_the_flag_threshold_for_that_route_only(
     settings = settings_for(tmp_path, act_below={"/v1/chat/completions": 0.0})
     with running_gateway(settings, engine, RecordingSink()) as url:
         chat = ask(url)
-        anthropic = httpx.post(
-            f"{url}/v1/messages",
-            json={"model": "tiny-llama", "max_tokens": 6, "messages": [
-                {"role": "user", "content": QUESTION}]},
-            timeout=60,
-        )  # fmt: skip
+        anthropic = ask_anthropic(url)
     assert chat.status_code == 200 and anthropic.status_code == 200, anthropic.text
     assert "low-score" not in chat.headers["x-ir-trust"]
     assert "low-score" in anthropic.headers["x-ir-trust"]

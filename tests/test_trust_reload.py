@@ -34,7 +34,7 @@ from services.telemetry.control import (
     publish_trust_model,
 )
 from services.workers.jobs import ClaimedJob
-from services.workers.trust_fit import fit_trust
+from services.workers.trust_fit import FitSpec, answers, fit_trust
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.sparsity.plan import Level
 from sparse_engine.trust.evaluate import answer_all
@@ -44,17 +44,20 @@ from sparse_engine.trust.qa import QAItem, load_qa, normalise_answer, qa_sample
 from tests.gateway_fixtures import RecordingSink
 from tests.polling import wait_until
 from tests.test_hot_reload import _send_raw, _task_in_broker
+from tests.test_trust_unit import _stats
 from tests.tiny import calibration_of, tiny_engine
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 
 
-def trust_model(model_id: str, bias: float, created_at: str, level: str = "balanced") -> TrustModel:
+def trust_model(
+    model_id: str, bias: float, created_at: str, level: str = "balanced", mode: str = "serve"
+) -> TrustModel:
     """A fitted model whose score is about sigmoid(`bias`) for any answer."""
     rng = random.Random(0)
     sigs = [RequestSignals(mean_logprob=rng.gauss(0, 1)) for _ in range(40)]
     model = fit(sigs, [s.mean_logprob > 0 for s in sigs], model_id=model_id, level=level,
-                fit_data={"data": "test"}, l2=0.01)  # fmt: skip
+                fit_data={"data": "test"}, l2=0.01, mode=mode)  # fmt: skip
     model.weights = [0.0] * len(model.weights)
     model.bias = bias
     model.created_at = created_at
@@ -119,6 +122,43 @@ def test_judge_takes_the_newest_model_that_arrived_and_keeps_a_pinned_one(tmp_pa
     pinned = settings.model_copy(update={"trust": TrustSettings(model_version=stored.version)})
     kept = reload_judge(pinned, "tiny-llama", current, [newer])
     assert serving_versions(kept) == {"default": stored.version}
+
+
+def test_a_route_with_its_own_mode_is_judged_by_that_modes_newest_models(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The chat route is judged by the closed-mode models (fit on questions without their
+    passage), the other routes and regenerated answers (route None) by the serve-mode ones;
+    a closed-mode model that arrives later replaces the stored one; with none, the route is
+    judged like the others and the log names the fix."""
+    chat, store = "/v1/chat/completions", TrustStore(tmp_path / "trust")
+    serve_model = store.save(trust_model("tiny-llama", 2.0, "2025-01-01T00:00:00+00:00"))
+    bare = Settings(home=tmp_path, trust=TrustSettings(route_modes={chat: "closed"}))
+    caplog.set_level(logging.WARNING, logger="services.gateway")
+    assert load_judge(bare, "tiny-llama").routes == {}
+    assert "no closed-mode trust model" in caplog.text and "--mode closed" in caplog.text
+    closed = store.save(trust_model("tiny-llama", -2.0, "2025-01-02T00:00:00+00:00", mode="closed"))
+    judge = load_judge(bare, "tiny-llama")
+    assert serving_versions(judge) == {
+        "default": serve_model.version,
+        "balanced": serve_model.version,
+        f"{chat} default": closed.version,
+        f"{chat} balanced": closed.version,
+    }
+    stats = _stats([0.1, 0.1, 0.1, 0.1])
+    assert judge.assess(stats, "p", False, chat).score == pytest.approx(0.119, abs=1e-3)
+    for route in (None, "/v1/messages"):
+        assert judge.assess(stats, "p", False, route).score == pytest.approx(0.881, abs=1e-3)
+    newer = published(
+        tmp_path / "w", trust_model("tiny-llama", 0.0, "2025-01-03T00:00:00+00:00", mode="closed")
+    )
+    reloaded = reload_judge(bare, "tiny-llama", judge, [newer])
+    assert reloaded.assess(stats, "p", False, chat).score == pytest.approx(0.5, abs=1e-3)
+    assert serving_versions(reloaded)["default"] == serve_model.version
+    with pytest.raises(ValueError, match="route_modes maps a route"):
+        TrustSettings(route_modes={"/v1/chat": "closed"})
+    with pytest.raises(ValueError, match="closed"):
+        TrustSettings(route_modes={chat: "book"})
 
 
 def test_gateway_scores_by_the_rule_until_a_published_trust_model_arrives(
@@ -210,6 +250,30 @@ def test_trust_fit_job_fits_once_publishes_and_skips_when_one_exists(
     assert len(list(settings.trust_dir.glob("trust-*.json"))) == 1
     messages = trust_messages(kafka_broker.bootstrap, telemetry.control_topic)
     assert [(m.model.version, m.reason) for m in messages] == [(model.version, "first-serve")] * 2
+
+
+def test_closed_mode_answers_the_fit_half_without_the_passages(tmp_path: Path) -> None:
+    """`trust fit --mode closed` answers the same fit half (drawn by passage) as serve mode,
+    with each question asked alone, as a route that retrieves is asked it."""
+    engine, settings = tiny_engine(cache=False), Settings(home=tmp_path)
+    passage = "Passage {}: the keeper's word is marmalade."
+    rows = [{"question": f"Question number {i}?", "answers": ["zzqx"],
+             "context": passage.format(i // 2)} for i in range(24)]  # fmt: skip
+    path = tmp_path / "qa.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in rows), encoding="utf-8")
+    spec = FitSpec(data=str(path), n=8, level="dense", max_new_tokens=4, mode="closed")
+    closed = answers(settings, engine, spec)
+    served = answers(settings, engine, spec.model_copy(update={"mode": "serve"}))
+    items = load_qa(str(path), tmp_path)
+    indices = qa_sample(items, "fit", 8)
+    alone = [QAItem(items[i].question, items[i].answers) for i in range(len(items))]
+    expected = answer_all(engine, alone, indices, Level.DENSE, 4)
+    assert [r.index for r in closed] == [r.index for r in served] == list(indices)
+    assert [r.answer for r in closed] == [r.answer for r in expected]
+    assert [r.answer for r in closed] != [r.answer for r in served]
+    assert all(r.signals.readout is not None for r in closed)  # what the model reads
+    cached = [p.name for p in (settings.trust_dir / "records").iterdir()]
+    assert len(cached) == 2 and sum(n.startswith("closed-") for n in cached) == 1  # kept apart
 
 
 def test_up_queues_the_first_trust_fit_only_when_the_served_model_has_none(tmp_path: Path) -> None:

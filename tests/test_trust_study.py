@@ -12,13 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.retrieval_study import (
-    _baselines,
-    _fixes,
-    _learned_routes,
-    _perfect_detector,
-    _policy,
-)
+from services.cli.retrieval_figures import baselines, fixes, perfect_detector, policy
+from services.cli.retrieval_study import _learned_routes
 from services.cli.temperature_study import looped
 from services.cli.trust_study import _fit_n, _judged, _plot, _pooled, _sizes
 from sparse_engine.evaluation.ranking import auroc
@@ -73,12 +68,12 @@ def test_retrieval_policy_arithmetic() -> None:
     # two untrusted ones and breaks nothing the trust threshold keeps.
     first = [(True, 0.9), (True, 0.8), (False, 0.1), (False, 0.2)]
     second = [(False, 0.5), (True, 0.5), (True, 0.5), (False, 0.5)]
-    got = _policy(first, second, threshold=0.5)
+    got = policy(first, second, threshold=0.5)
     assert (got["never"], got["always"], got["on_low_trust"]) == (0.5, 0.5, 0.75)
     assert got["regenerated"] == 0.5 and got["gain_recovered"] is None  # always gains nothing
     assert got["curve"][0] == (0.0, 0.5) and got["curve"][2] == (0.5, 0.75)
     assert got["curve"][-1] == (1.0, got["always"])
-    why = _fixes(first, second, match=[3.0, 1.0, 2.0, 0.0])
+    why = fixes(first, second, match=[3.0, 1.0, 2.0, 0.0])
     assert (why["fixes"], why["breaks"]) == (1, 1)
     assert why["trust_auroc_right"] == 1.0  # the two right answers are the trusted ones
     assert why["low_trust_auroc_fix"] == 1.0  # the fix is the least trusted answer
@@ -86,10 +81,10 @@ def test_retrieval_policy_arithmetic() -> None:
     # One fix and one break: no net gain, nothing to recover. Without the break, a perfect
     # detector retries only the two wrong answers: a budget of two requests holds both (the
     # fix for sure), a budget of one holds one of them (the fix by chance: half the gain).
-    assert _perfect_detector(first, second, budget=0.5) is None
+    assert perfect_detector(first, second, budget=0.5) is None
     kept = [(True, 0.9), (True, 0.8), (True, 0.5), (False, 0.5)]  # the break is gone
-    assert _perfect_detector(first, kept, budget=0.5) == 1.0
-    assert _perfect_detector(first, kept, budget=0.25) == 0.5  # one of the two wrong, by chance
+    assert perfect_detector(first, kept, budget=0.5) == 1.0
+    assert perfect_detector(first, kept, budget=0.25) == 0.5  # one of the two wrong, by chance
 
 
 def test_a_route_threshold_keeps_its_budget_with_the_confidence_asked() -> None:
@@ -126,7 +121,7 @@ def test_out_of_fold_scores_are_those_of_answers_the_fit_never_saw() -> None:
         assert len(held_out) == 200 and all(0.0 <= s <= 1.0 for s in held_out)
         assert low <= auroc(held_out, labels) <= high
     answers = [(s.mean_logprob > 0, 0.5) for s in signals]
-    got = _baselines(answers, signals)
+    got = baselines(answers, signals)
     assert got["mean_logprob"] == 1.0 and got["answer_length"] is not None
     assert got["answer_length"] < 0.65 and set(got) == {
         "answer_length", "mean_logprob", "min_logprob", "mean_entropy"}  # fmt: skip
@@ -215,3 +210,13 @@ def test_the_gain_route_retries_the_answers_retrieval_fixes() -> None:
     assert (
         gain["retrieve_at_budget"]["gain_recovered"] > route["retrieve_at_budget"]["gain_recovered"]
     )
+    # A stored closed-mode model (what the gateway serves) takes the trust route's place: its
+    # scores rank the eval half, its setting refit per fold sets the threshold.
+    signals, first, _ = half(300)
+    right = [r for r, _ in first]
+    served = fit(signals, right, model_id="m", level="balanced", fit_data={}, mode="closed")
+    served.version = "trust-closed-balanced-x"
+    again = _learned_routes(("m", "balanced", args), (signals, first, first), test, [0.0] * 300,
+                            served)["route_model"]  # fmt: skip
+    assert (again["served"], route["served"]) == (served.version, None)
+    assert again["items"] == 300 and again["retrieval_fixes"]["trust_auroc_right"] > 0.9

@@ -9,9 +9,10 @@ trade-off: accuracy against the share regenerated, over every threshold; and the
 route threshold learned for a regeneration budget on the fit half's closed-book answers (a
 tolerance bound: with the given confidence at most that share of such answers falls under it),
 which `SPARSEGUARD_TRUST__ACT_BELOW` sets. Beside the serve-mode model, two routes learned on
-the fit half's closed-book and retrieved answers (`_learned_routes`), a study only: the gateway
-does not serve them. Answers are generated in batches, as the gateway batches concurrent
-requests."""
+the fit half's closed-book and retrieved answers (`_learned_routes`): a closed-book trust model
+(the stored closed-mode one, which the gateway serves for a route in `route_modes`, when it was
+fit on this set's fit half) and a gain model (a study only). Answers are generated in batches,
+as the gateway batches concurrent requests."""
 
 from __future__ import annotations
 
@@ -25,27 +26,31 @@ from typing import Any
 from tqdm import tqdm
 
 from services.cli.common import emit, emit_json, eval_commands
+from services.cli.retrieval_figures import (
+    Answer,
+    baselines,
+    fixes,
+    perfect_detector,
+    policy,
+    top_rank,
+)
 from services.config import Settings
 from services.gateway.fallback import simplified, with_passages
 from services.shared.engine import build_engine
 from services.storage import kb as knowledge
 from services.storage.db import make_engine, session_factory, upgrade
 from sparse_engine.data.qa_sets import QA_SETS
-from sparse_engine.evaluation.ranking import auroc
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.runtime.generation import GenerationRequest, Message
 from sparse_engine.runtime.offline import generate_all
 from sparse_engine.sparsity.plan import Level
-from sparse_engine.trust.evaluate import QARecord
 from sparse_engine.trust.features import RequestSignals, from_stats
 from sparse_engine.trust.flagging import tolerance_floor
-from sparse_engine.trust.model import TrustModel, TrustStore, out_of_fold
+from sparse_engine.trust.model import TrustModel, TrustModelNotFoundError, TrustStore, out_of_fold
 from sparse_engine.trust.model import fit as fit_trust
 from sparse_engine.trust.qa import QAItem, grade, load_qa, qa_messages, qa_sample
-from sparse_engine.trust.report import BASELINES
 
 log = logging.getLogger(__name__)
-Answer = tuple[bool, float]  # right, trust score
 
 
 def register(commands: Any) -> None:
@@ -111,12 +116,13 @@ def run_retrieval(args: argparse.Namespace, settings: Settings) -> int:
         lambda item: with_passages(qa_messages(item), hits[item.question], 800),
         fit,
     )
-    ranks = [_top_rank(hits[i.question]) for i in closed]
+    ranks = [top_rank(hits[i.question]) for i in closed]
     routes = _learned_routes(
         (eng.lm.model_id, level.value, args),
         (fit_signals, fit_answers, fit_retrieved),
         (never_signals, never, always),
         ranks,
+        _served_route_model(settings, eng.lm.model_id, level.value, args.data),
     )
     figures = {
         "data": args.data,
@@ -124,18 +130,18 @@ def run_retrieval(args: argparse.Namespace, settings: Settings) -> int:
         "level": level.value,
         "trust_model": model.version,
         "flag_threshold": threshold,
-        "retrieve": _policy(never, always, threshold),
-        "simplify": _policy(never, simple, threshold),
-        "retrieval_fixes": _fixes(never, always, ranks),
-        "perfect_detector_gain": _perfect_detector(never, always, args.budget),
+        "retrieve": policy(never, always, threshold),
+        "simplify": policy(never, simple, threshold),
+        "retrieval_fixes": fixes(never, always, ranks),
+        "perfect_detector_gain": perfect_detector(never, always, args.budget),
         "budget": args.budget,
         "confidence": args.confidence,
         "fit_n": len(fit),
         "route_threshold": learned,
         "fit_share_under": round(sum(s < learned for s in fit_scores) / len(fit), 4),
-        "retrieve_at_budget": _policy(never, always, learned),
-        "simplify_at_budget": _policy(never, simple, learned),
-        "closed_book_baselines": _baselines(never, never_signals),
+        "retrieve_at_budget": policy(never, always, learned),
+        "simplify_at_budget": policy(never, simple, learned),
+        "closed_book_baselines": baselines(never, never_signals),
         **routes,
     }
     if args.json:
@@ -183,21 +189,32 @@ Half = tuple[list[RequestSignals], list[Answer], list[Answer]]  # closed-book, t
 
 
 def _learned_routes(
-    setup: tuple[str, str, argparse.Namespace], fit: Half, test: Half, ranks: list[float]
+    setup: tuple[str, str, argparse.Namespace],
+    fit: Half,
+    test: Half,
+    ranks: list[float],
+    served: TrustModel | None = None,
 ) -> dict[str, Any]:
     """Two routes learned on the fit half, each read off its closed-book answer's signals:
-    `route_model`, a trust model of a right closed-book answer (retry the least trusted), and
-    `gain_model`, that less a model of a right answer after retrieval (retry where the expected
-    gain is largest). Thresholds come from out-of-fold scores: in-sample ones would be too sure
-    of the answers the models were fit on."""
+    `route_model`, a trust model of a right closed-book answer (retry the least trusted;
+    `served`, the stored closed-mode model the gateway serves, when given), and `gain_model`,
+    that less a model of a right answer after retrieval (retry where the expected gain is
+    largest). Thresholds come from out-of-fold scores: in-sample ones would be too sure of the
+    answers the models were fit on."""
     model_id, level, args = setup
     fit_signals, fit_first, fit_second = fit
     signals, first, second = test
-    models, held_out = [], []
+    models: list[TrustModel] = []
+    held_out: list[list[float]] = []
     for answers, setting in ((fit_first, "closed book"), (fit_second, "closed book, retrieved")):
         right = [r for r, _ in answers]
         data = {"data": args.data, "split": "fit", "setting": setting}
-        models.append(fit_trust(fit_signals, right, model_id=model_id, level=level, fit_data=data))
+        if served is not None and not models:
+            models.append(served)
+        else:
+            models.append(
+                fit_trust(fit_signals, right, model_id=model_id, level=level, fit_data=data)
+            )
         held_out.append(out_of_fold(fit_signals, right, models[-1]))
     closed, after = ([m.score(s) for s in signals] for m in models)
     scores = {
@@ -210,12 +227,32 @@ def _learned_routes(
         threshold = _route_threshold(fit_scores, args)
         scored = [(r, score) for (r, _), score in zip(first, test_scores, strict=True)]
         out[name] = {
+            "served": model.version if model is served else None,
             **{k: model.fit_data[k] for k in ("items", "right", "groups", "l2", "cv_auroc")},
             "threshold": threshold,
-            "retrieval_fixes": _fixes(scored, second, ranks),
-            "retrieve_at_budget": _policy(scored, second, threshold),
+            "retrieval_fixes": fixes(scored, second, ranks),
+            "retrieve_at_budget": policy(scored, second, threshold),
         }
     return out
+
+
+def _served_route_model(
+    settings: Settings, model_id: str, level: str, data: str
+) -> TrustModel | None:
+    """The closed-mode trust model the gateway would serve (`trust fit --mode closed`), when
+    one was fit on this set's fit half; else None (the study fits its own)."""
+    try:
+        model = TrustStore(settings.trust_dir).latest(model_id, level, "closed")
+    except TrustModelNotFoundError:
+        return None
+    if model.fit_data.get("data") != data or model.fit_data.get("split") != "fit":
+        log.warning(
+            "closed-mode trust model %s was fit on %s's %s half, not %s's fit half: the study "
+            "fits its own",
+            model.version, model.fit_data.get("data"), model.fit_data.get("split"), data,
+        )  # fmt: skip
+        return None
+    return model
 
 
 def _route_threshold(scores: list[float], args: argparse.Namespace) -> float:
@@ -226,84 +263,6 @@ def _route_threshold(scores: list[float], args: argparse.Namespace) -> float:
             f"{args.budget:.0%} budget with {args.confidence:.0%} confidence: raise --n"
         )
     return learned
-
-
-def _policy(first: list[Answer], second: list[Answer], threshold: float) -> dict[str, Any]:
-    """Accuracy of the first answers, of the second ones, and of taking the second only where
-    the first's trust is under `threshold`; the share of the gain that recovers, and the curve
-    over every threshold (share regenerated, accuracy)."""
-    n = len(first)
-    base = sum(r for r, _ in first) / n
-    everywhere = sum(r for r, _ in second) / n
-    chosen = [b if s < threshold else a for (a, s), (b, _) in zip(first, second, strict=True)]
-    regenerated = sum(s < threshold for _, s in first) / n
-    on_low = sum(chosen) / n
-    gain = everywhere - base
-    order = sorted(range(n), key=lambda i: first[i][1])  # least trusted first
-    curve, right = [(0.0, round(base, 4))], sum(r for r, _ in first)
-    for taken, i in enumerate(order, 1):
-        right += second[i][0] - first[i][0]
-        curve.append((round(taken / n, 4), round(right / n, 4)))
-    return {
-        "never": round(base, 4),
-        "always": round(everywhere, 4),
-        "on_low_trust": round(on_low, 4),
-        "regenerated": round(regenerated, 4),
-        "gain_recovered": round((on_low - base) / gain, 4) if gain > 0 else None,
-        "curve": curve,
-    }
-
-
-def _perfect_detector(first: list[Answer], second: list[Answer], budget: float) -> float | None:
-    """The share of the gain a perfect detector of right first answers would recover within
-    `budget` (expected): it keeps every right answer, so nothing breaks, and retries wrong ones
-    in an order blind to which of them retrieval fixes."""
-    wrong = sum(not a for a, _ in first)
-    fixes = sum(b and not a for (a, _), (b, _) in zip(first, second, strict=True))
-    gain = sum(b for b, _ in second) - sum(a for a, _ in first)
-    if gain <= 0 or wrong == 0:
-        return None
-    return round(fixes * min(1.0, budget * len(first) / wrong) / gain, 4)
-
-
-def _top_rank(found: list[knowledge.Hit]) -> float:
-    return found[0].rank if found else -math.inf
-
-
-def _fixes(first: list[Answer], second: list[Answer], match: list[float]) -> dict[str, Any]:
-    """What decides the gain: how many answers retrieval fixes and breaks, and how well each
-    signal known before regenerating ranks them (AUROC): the trust score for a right
-    closed-book answer (the answers a policy should keep), low trust and the best passage's
-    search rank for a fix."""
-    fixed = [b and not a for (a, _), (b, _) in zip(first, second, strict=True)]
-    scores = [s for _, s in first]
-    return {
-        "fixes": sum(fixed),
-        "breaks": sum(a and not b for (a, _), (b, _) in zip(first, second, strict=True)),
-        "trust_auroc_right": _rounded(auroc(scores, [a for a, _ in first])),
-        "low_trust_auroc_fix": _rounded(auroc([-s for s in scores], fixed)),
-        "match_auroc_fix": _rounded(auroc(match, fixed)),
-    }
-
-
-def _baselines(answers: list[Answer], signals: list[RequestSignals]) -> dict[str, float | None]:
-    """AUROC for a right closed-book answer of each baseline a detector must beat, in its
-    better direction (the passage is not in the prompt, so containment does not apply)."""
-    right = [r for r, _ in answers]
-    records = [
-        QARecord(i, "", False, 0.0, r, sig)
-        for i, (r, sig) in enumerate(zip(right, signals, strict=True))
-    ]
-    out: dict[str, float | None] = {}
-    for name, read in BASELINES.items():
-        if name != "in_passage":
-            a = auroc(list(map(read, records)), right)
-            out[name] = None if math.isnan(a) else round(max(a, 1 - a), 4)
-    return out
-
-
-def _rounded(value: float) -> float | None:
-    return None if math.isnan(value) else round(value, 4)
 
 
 def _knowledge_base(
@@ -366,14 +325,21 @@ def _print(f: dict[str, Any]) -> None:
     )
     for name, what in (("route_model", "right"), ("gain_model", "right after retrieval")):
         r, why = f[name], f[name]["retrieval_fixes"]
+        served = f" (served: {r['served']})" if r["served"] else ""
         emit(
-            f"{name}: fit on the fit half's {r['items']} closed-book answers ({r['right']} "
+            f"{name}{served}: fit on the fit half's {r['items']} closed-book answers ({r['right']} "
             f"{what}; groups {', '.join(r['groups'])}, cv AUROC {_shown(r['cv_auroc'])}); on the "
             f"eval half AUROC for a right answer {_shown(why['trust_auroc_right'])}, low score "
             f"for a fix {_shown(why['low_trust_auroc_fix'])}; route threshold "
             f"{r['threshold']:.3f} (from out-of-fold scores)"
         )
         _print_policy("retrieve", r["retrieve_at_budget"])
+        if r["served"]:
+            emit(
+                'to retrieve on it: SPARSEGUARD_TRUST__ROUTE_MODES=\'{"/v1/chat/completions": '
+                f'"closed"}}\' SPARSEGUARD_TRUST__ACT_BELOW=\'{{"/v1/chat/completions": '
+                f"{r['threshold']:.3f}}}'"
+            )
     best = f["perfect_detector_gain"]
     emit(
         f"a perfect detector of right closed-book answers would recover "

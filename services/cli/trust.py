@@ -66,7 +66,8 @@ def answer_args(parser: argparse.ArgumentParser, n: int) -> None:
         choices=MODES,
         default="serve",
         help="serve: the model's own answers; proxy: answers scored teacher-forced, as the "
-        "gateway's proxy mode does",
+        "gateway's proxy mode does; closed: the model's own answers to the questions without "
+        "their passages (for a route that retrieves: SPARSEGUARD_TRUST__ROUTE_MODES)",
     )
     parser.add_argument(
         "--upstream",

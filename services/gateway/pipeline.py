@@ -117,6 +117,8 @@ async def _answer(
     rt: Runtime, p: Prepared, messages: list[Message] | None
 ) -> AsyncIterator[str | Final]:
     """One answer to `messages` (default: the request's), served or proxied, with its trust."""
+    # A regenerated answer is not the route's first: the gateway's own models judge it.
+    route = ROUTES[p.chat.endpoint] if messages is None else None
     messages = messages or p.chat.messages
     answers = (
         _proxy(rt, p, messages) if rt.settings.gateway.mode == "proxy" else _serve(rt, p, messages)
@@ -124,7 +126,6 @@ async def _answer(
     prompt = "\n".join(m["content"] for m in messages)
     async for item in answers:
         if isinstance(item, Answered):
-            route = ROUTES[p.chat.endpoint]
             trust = rt.trust.assess(item.stats, prompt, p.plan.is_dense, route)
             yield Final(item.stats, trust, item.queue_s, item.engine_s)
         else:

@@ -77,9 +77,20 @@ class RollingBaseline:
         self._state[level] = (count + 1, mean, var)
 
 
+@dataclass(frozen=True, slots=True)
+class RouteModels:
+    """The trust models of the mode that judges a route's first answers (`route_modes`): fit
+    at each level, and `default`, fit at another level, for the rest."""
+
+    mode: str
+    default: TrustModel
+    per_level: dict[str, TrustModel]
+
+
 class TrustJudge:
     """Scores answers with the trust model fit at their level (else `model`, fit at another
-    level, else the rule) and keeps the rolling silence baseline per level."""
+    level, else the rule), or with their route's models (`routes`), and keeps the rolling
+    silence baseline per level."""
 
     def __init__(
         self,
@@ -88,22 +99,29 @@ class TrustJudge:
         model: TrustModel | None,
         per_level: dict[str, TrustModel] | None = None,
         book: BaselineBook | None = None,
+        routes: dict[str, RouteModels] | None = None,
     ) -> None:
         self.cfg = cfg
         self.signals = signals
         self.model = model
         self.per_level = per_level or {}
+        self.routes = routes or {}
         self.baseline = RollingBaseline(cfg.baseline_span, cfg.baseline_min_requests)
         self.book = book or BaselineBook(None)
 
     def assess(
         self, stats: GenerationStats, prompt_text: str, is_dense: bool, route: str | None = None
     ) -> Trust:
-        """`route`: the request's path; a route with its own threshold (`act_below`) judges the
-        score by it instead of the healthy-chat flag threshold."""
+        """`route`: the path of a request's first answer; a route with its own models
+        (`route_modes`) is scored by them, and one with its own threshold (`act_below`) judges
+        the score by it instead of the healthy-chat flag threshold."""
         sig = from_stats(stats, prompt_text)
         late = sig.late_silence(self.signals.late_band)
-        model = self.per_level.get(stats.level, self.model)
+        own_models = self.routes.get(route) if route is not None else None
+        if own_models is not None:
+            model: TrustModel | None = own_models.per_level.get(stats.level, own_models.default)
+        else:
+            model = self.per_level.get(stats.level, self.model)
         score = self._score(model, sig)
         z = self.baseline.z(stats.level, late)
         healthy = self.book.lookup(stats.calibration_version, stats.level)
@@ -141,18 +159,30 @@ class TrustJudge:
 
 def load_judge(settings: Settings, model_id: str, arrived: Sequence[TrustModel] = ()) -> TrustJudge:
     """The judge with the pinned trust model, the latest one for `model_id`, or none (then the
-    score is 1 - late-layer silence, which predicts wrong answers no better than chance).
+    score is 1 - late-layer silence, which predicts wrong answers no better than chance), and
+    each route's models of its own mode (`route_modes`).
     `arrived`: trust models received on the control topic, weighed with the stored ones, so a
     gateway whose store could not keep one still serves it."""
     store = TrustStore(settings.trust_dir)
     book = BaselineBook(CalibrationStore(settings.calibrations_dir))  # the reasons' baselines
+    routes = {}
+    for route, route_mode in settings.trust.route_modes.items():
+        default, at_levels = _models(store, model_id, arrived, route_mode)
+        if default is None:
+            log.warning(
+                "no %s-mode trust model for %s in %s yet: %s is judged like the other routes "
+                "until one is fit (`sparseguard trust fit --mode %s`)",
+                route_mode, model_id, store.root, route, route_mode,
+            )  # fmt: skip
+        else:
+            routes[route] = RouteModels(route_mode, default, at_levels)
     pinned = settings.trust.model_version
     if pinned:
         found = [m for m in arrived if m.version == pinned]
         pinned_model = found[0] if found else store.load(pinned)
-        return TrustJudge(settings.trust, settings.signals, pinned_model, book=book)
+        return TrustJudge(settings.trust, settings.signals, pinned_model, book=book, routes=routes)
     mode = settings.gateway.mode  # a proxy scores another model's answers: its own models
-    model = _newest(store, model_id, None, arrived, mode)
+    model, per_level = _models(store, model_id, arrived, mode)
     if model is None:
         log.warning(
             "no %s-mode trust model for %s in %s yet: trust is the rule score (1 - late-layer "
@@ -162,16 +192,24 @@ def load_judge(settings: Settings, model_id: str, arrived: Sequence[TrustModel] 
             model_id,
             store.root,
         )
-        return TrustJudge(settings.trust, settings.signals, None, book=book)
+    return TrustJudge(settings.trust, settings.signals, model, per_level, book, routes)
+
+
+def _models(
+    store: TrustStore, model_id: str, arrived: Sequence[TrustModel], mode: str
+) -> tuple[TrustModel | None, dict[str, TrustModel]]:
+    """The newest `mode` model of any level, and the newest fit at each level."""
+    model = _newest(store, model_id, None, arrived, mode)
     per_level = {}
-    for level in LEVELS:
+    for level in LEVELS if model is not None else ():
         found_at = _newest(store, model_id, level, arrived, mode)
         if found_at is not None:
             per_level[level] = found_at
             log.info(
-                "trust model for %s: %s (fit on %s)", level, found_at.version, found_at.fit_data
-            )
-    return TrustJudge(settings.trust, settings.signals, model, per_level, book)
+                "%s-mode trust model for %s: %s (fit on %s)",
+                mode, level, found_at.version, found_at.fit_data,
+            )  # fmt: skip
+    return model, per_level
 
 
 def _newest(
@@ -201,6 +239,10 @@ def reload_judge(
 
 
 def serving_versions(judge: TrustJudge) -> dict[str, str | None]:
-    """The trust model version per level and as the default ("default"); None: the rule."""
+    """The trust model version per level and as the default ("default"), then each route's
+    own ("ROUTE LEVEL", "ROUTE default"); None: the rule."""
     versions = {level: m.version for level, m in judge.per_level.items()}
+    for route, own in judge.routes.items():  # e.g. "/v1/chat/completions balanced"
+        versions[f"{route} default"] = own.default.version
+        versions.update({f"{route} {level}": m.version for level, m in own.per_level.items()})
     return {"default": judge.model.version if judge.model else None, **versions}

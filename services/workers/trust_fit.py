@@ -29,7 +29,7 @@ from sparse_engine.trust.evaluate import QARecord, RecordSet, collect
 from sparse_engine.trust.flagging import healthy_signals, set_flag_threshold
 from sparse_engine.trust.model import TrustModel, TrustModelNotFoundError, TrustStore, fit
 from sparse_engine.trust.proxy import Given, score_given, upstream_answers
-from sparse_engine.trust.qa import HALUEVAL, load_qa, qa_sample
+from sparse_engine.trust.qa import HALUEVAL, QAItem, load_qa, qa_sample
 
 log = logging.getLogger(__name__)
 LOG_EVERY = 25  # answers between progress lines in a worker's log
@@ -41,7 +41,8 @@ class FitSpec(BaseModel):
     from the `split` half of the set (`trust.qa.qa_sample`: passages never in both halves).
     Proxy mode scores answers teacher-forced, as the gateway's proxy mode does: those of the
     `upstream` model (a local model standing in for the upstream API), or the served model's
-    own when none is named."""
+    own when none is named. Closed mode answers the questions without their passages, as a
+    route that retrieves on low trust is asked them."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     data: str = HALUEVAL  # a packaged QA set or a QA JSONL file; several joined by '+' pool
@@ -51,7 +52,7 @@ class FitSpec(BaseModel):
     max_new_tokens: int = Field(32, ge=1)
     l2: float | None = Field(None, gt=0)
     model: str | None = None  # default: the served model
-    mode: Literal["serve", "proxy"] = "serve"
+    mode: Literal["serve", "proxy", "closed"] = "serve"
     upstream: str | None = None  # proxy mode: the model whose answers are scored
     if_missing: bool = False
 
@@ -94,7 +95,7 @@ def answers(
     indices = qa_sample(items, spec.split, spec.n)
     level = Level.parse(spec.level)
     plan = eng.plan(level)
-    source = "" if spec.mode == "serve" else f"proxy-{spec.upstream or 'self'}-"
+    source = {"serve": "", "closed": "closed-"}.get(spec.mode, f"proxy-{spec.upstream or 'self'}-")
     records_at = RecordSet(
         settings.trust_dir / "records",
         source + spec.data,
@@ -102,7 +103,9 @@ def answers(
         plan.calibration_version or "dense",
         spec.max_new_tokens,
     )
-    if spec.mode == "serve":
+    if spec.mode == "closed":  # the passages go after the halves were drawn by them
+        items = [QAItem(item.question, item.answers) for item in items]
+    if spec.mode != "proxy":
         return collect(eng, items, indices, level, records_at, progress=progress)
     if upstream is None:
         upstream = build_engine(settings, spec.upstream) if spec.upstream else eng

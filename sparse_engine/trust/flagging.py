@@ -30,15 +30,15 @@ def healthy_signals(
     mode: str = "serve",
 ) -> list[RequestSignals]:
     """The trust signals of greedy answers to healthy prompts, measured as the gateway does:
-    generated (serve mode), or generated, then scored teacher-forced as proxy mode scores an
-    upstream's answer."""
+    generated (serve and closed mode), or generated, then scored teacher-forced as proxy mode
+    scores an upstream's answer."""
     runnable = []
     for prompt in prompts:
         request = GenerationRequest(
             messages=prompt.messages(),
             max_new_tokens=max_new_tokens,
             measure_drift=True,
-            readout=mode == "serve",
+            readout=mode != "proxy",
         )
         try:
             engine.check_length(len(engine.encode(request)[0]), max_new_tokens)

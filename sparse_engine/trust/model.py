@@ -34,7 +34,9 @@ from sparse_engine.trust.features import (
 
 log = logging.getLogger(__name__)
 MODEL_FORMAT = 2  # 2: feature groups with the readout
-MODES = ("serve", "proxy")
+# serve: the model's own answers; proxy: another model's, teacher-forced; closed: the model's
+# own answers to questions asked without their passage (a route that retrieves sees those).
+MODES = ("serve", "proxy", "closed")
 L2_GRID = (0.01, 0.03, 0.1, 0.3)
 COMPONENTS = (8, 32)  # principal components kept of a wide group
 SCALAR = "scalar"  # the named signals: standardised, never reduced
@@ -376,7 +378,7 @@ class TrustStore:
             key=lambda m: (m.created_at, m.version),
         )
         if not found:
-            command = "sparseguard trust fit" + (" --mode proxy" if mode == "proxy" else "")
+            command = "sparseguard trust fit" + (f" --mode {mode}" if mode != "serve" else "")
             raise TrustModelNotFoundError(
                 f"no {mode}-mode trust model for {model_id}{f' at {level}' if level else ''} in "
                 f"{self.root}; run `{command}`"
