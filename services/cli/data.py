@@ -1,14 +1,21 @@
-"""`sparseguard model list|fetch` and `sparseguard data list|fetch`."""
+"""`sparseguard model list|fetch|fold` and `sparseguard data list|fetch`."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from services.cli.common import emit
+from services.cli.compress import VERIFY_PROMPTS
 from services.config import Settings
+from services.shared.engine import load_served_model
+from sparse_engine.compression.prune import verify
+from sparse_engine.compression.weighting import SUFFIX, save_folded
 from sparse_engine.data import corpora
 from sparse_engine.model.catalog import model_statuses, resolve_model
+from sparse_engine.model.model_dir import is_converted
+from sparse_engine.sparsity.masking import ChannelMask
 
 
 def register(commands: Any) -> None:
@@ -18,6 +25,14 @@ def register(commands: Any) -> None:
     fetch = model.add_parser("fetch", help="fetch and convert a model into the cache (idempotent)")
     fetch.add_argument("name", nargs="?", help="model name, HF directory or GGUF file")
     fetch.set_defaults(handler=fetch_model)
+    fold = model.add_parser(
+        "fold",
+        help="write a copy with each down projection's column norms folded into up (the same "
+        "function; a magnitude threshold then ranks inputs by |x| * column norm)",
+    )
+    fold.add_argument("name", nargs="?", help="model name, HF directory or GGUF file")
+    fold.add_argument("--out", type=Path, help=f"default: <home>/models/<model>{SUFFIX}")
+    fold.set_defaults(handler=fold_model)
     listing = model.add_parser("list", help="the known models and which of them are fetched")
     listing.set_defaults(handler=list_models)
 
@@ -33,6 +48,25 @@ def register(commands: Any) -> None:
 def fetch_model(args: argparse.Namespace, settings: Settings) -> int:
     emit(str(resolve_model(args.name or settings.engine.model, settings.cache_home)))
     return 0
+
+
+def fold_model(args: argparse.Namespace, settings: Settings) -> int:
+    """Fold once (idempotent), then check the copy against the original: the same greedy
+    tokens and logits within 1e-3 on the prune command's prompts."""
+    source = resolve_model(args.name or settings.engine.model, settings.cache_home)
+    out = args.out or settings.cache_home / "models" / f"{source.name}{SUFFIX}"
+    if is_converted(out):
+        emit(f"{out} (folded already; calibrate it with `sparseguard calibrate --model {out}`)")
+        return 0
+    original = load_served_model(settings, str(source))
+    folded = save_folded(original, source, out)
+    check = verify(folded, original, ChannelMask(), list(VERIFY_PROMPTS), 8)
+    emit(
+        f"{out}: greedy tokens {'equal' if check.tokens_equal else 'DIFFER'} on "
+        f"{check.num_prompts} prompts, max |logit difference| {check.max_abs_logit_diff:.2e} "
+        f"(tolerance {check.tolerance:g}); calibrate it with `sparseguard calibrate --model {out}`"
+    )
+    return 0 if check.passed else 1
 
 
 def list_models(args: argparse.Namespace, settings: Settings) -> int:
