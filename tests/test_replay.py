@@ -12,9 +12,9 @@ import pytest
 
 from alerts.rules import DEFAULT_RULES, load_rules
 from services.config import Settings
-from services.gateway.trust import Trust
+from services.gateway.trust import Trust, load_judge
 from services.replay.measure import FAULTS as FAULT_NAMES
-from services.replay.measure import Measured, fault_prompts, healthy_prompts
+from services.replay.measure import Measured, Measurer, fault_prompts, healthy_prompts
 from services.replay.replay import Calibrations, Scenario, events, replay
 from services.replay.scoring import Rate, fault_result, firings, rule_scores
 from sparse_engine.calibration.baseline import summarise
@@ -22,6 +22,7 @@ from sparse_engine.data.traffic import Prompt
 from sparse_engine.runtime.generation import GenerationStats
 from sparse_engine.sparsity.plan import Level
 from sparse_engine.sparsity.recorder import SignalSummary
+from tests.tiny import tiny_engine
 
 VERSION = "m-balanced-v1"
 
@@ -137,3 +138,15 @@ def test_fault_prompts_past_an_offset_are_disjoint_from_the_healthy_pool(home: P
         later = fault_prompts(settings, fault, 40, offset=60)
         assert len(later) == 40
         assert not {p.text for p in later} & ({p.text for p in first} | healthy)
+
+
+def test_the_alert_study_answers_with_the_readout_a_trust_model_reads(tmp_path: Path) -> None:
+    """As the gateway serves: without the readout a trust model fit on it falls back to the
+    rule score while its threshold stays the model's."""
+    engine = tiny_engine(cache=False)
+    settings = Settings(home=tmp_path)
+    measurer = Measurer(settings, engine.lm, load_judge(settings, engine.lm.model_id))
+    prompts = [Prompt("chat", "Hello there."), Prompt("code", "def f(x):")]
+    measured = measurer._answer(engine, "healthy", Level.BALANCED, prompts)
+    assert [m.kind for m in measured] == ["chat", "code"]
+    assert all(m.stats.readout is not None for m in measured)

@@ -126,7 +126,10 @@ class Measurer:
     def _answer(
         self, engine: Engine, condition: str, level: Level, prompts: list[traffic.Prompt]
     ) -> list[Measured]:
-        answers = run_prompts(engine, level, prompts, self.tokens, progress=self.progress)
+        # With the readout, as the gateway serves: the trust model reads it.
+        answers = run_prompts(
+            engine, level, prompts, self.tokens, progress=self.progress, readout=True
+        )
         return [
             Measured(condition, p.kind, p.text, level.value, s, self._judge(s, p, level))
             for p, s in zip(prompts, answers, strict=True)

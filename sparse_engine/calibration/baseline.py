@@ -154,10 +154,11 @@ def run_prompts(
     max_new_tokens: int,
     measure_drift: bool = True,
     progress: Callable[[int], None] | None = None,
+    readout: bool = False,
 ) -> list[GenerationStats]:
     """Each prompt's greedy answer at `level`, with its signals, as the gateway asks for them
     and serves them: batched (`runtime.offline`), the prefix cache on, so shared prefixes hit
-    as they do when served."""
+    as they do when served. `readout`: also what a trust model reads, as the gateway asks."""
     drift = measure_drift and level is not Level.DENSE
     requests = [
         GenerationRequest(
@@ -165,6 +166,7 @@ def run_prompts(
             max_new_tokens=max_new_tokens,
             temperature=0.0,
             measure_drift=drift,
+            readout=readout,
         )
         for p in prompts
     ]
