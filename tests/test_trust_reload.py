@@ -16,7 +16,13 @@ import pytest
 from kafka import KafkaConsumer, TopicPartition
 
 from services.cli.up import queue_trust_fit
-from services.config import EngineSettings, Settings, TelemetrySettings, TrustSettings
+from services.config import (
+    EngineSettings,
+    GatewaySettings,
+    Settings,
+    TelemetrySettings,
+    TrustSettings,
+)
 from services.gateway.app import create_app
 from services.gateway.trust import load_judge, reload_judge, serving_versions
 from services.shared.serving import serve
@@ -152,6 +158,9 @@ def test_a_route_with_its_own_mode_is_judged_by_that_modes_newest_models(
     newer = published(
         tmp_path / "w", trust_model("tiny-llama", 0.0, "2025-01-03T00:00:00+00:00", mode="closed")
     )
+    proxy = bare.model_copy(update={"gateway": GatewaySettings(mode="proxy")})
+    load_judge(proxy, "tiny-llama")
+    assert "but this gateway proxies another model's answers" in caplog.text
     reloaded = reload_judge(bare, "tiny-llama", judge, [newer])
     assert reloaded.assess(stats, "p", False, chat).score == pytest.approx(0.5, abs=1e-3)
     assert serving_versions(reloaded)["default"] == serve_model.version

@@ -204,18 +204,17 @@ def _learned_routes(
     model_id, level, args = setup
     fit_signals, fit_first, fit_second = fit
     signals, first, second = test
-    models: list[TrustModel] = []
-    held_out: list[list[float]] = []
-    for answers, setting in ((fit_first, "closed book"), (fit_second, "closed book, retrieved")):
-        right = [r for r, _ in answers]
+    labels = [[r for r, _ in fit_first], [r for r, _ in fit_second]]
+
+    def fitted(right: list[bool], setting: str) -> TrustModel:
         data = {"data": args.data, "split": "fit", "setting": setting}
-        if served is not None and not models:
-            models.append(served)
-        else:
-            models.append(
-                fit_trust(fit_signals, right, model_id=model_id, level=level, fit_data=data)
-            )
-        held_out.append(out_of_fold(fit_signals, right, models[-1]))
+        return fit_trust(fit_signals, right, model_id=model_id, level=level, fit_data=data)
+
+    models = [
+        served or fitted(labels[0], "closed book"),
+        fitted(labels[1], "closed book, retrieved"),
+    ]
+    held_out = [out_of_fold(fit_signals, y, m) for y, m in zip(labels, models, strict=True)]
     closed, after = ([m.score(s) for s in signals] for m in models)
     scores = {
         "route_model": (held_out[0], closed),
