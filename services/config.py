@@ -45,8 +45,10 @@ class EngineSettings(BaseModel):
     batch_from: int = Field(4, ge=2)
     pack_from: int = Field(2, ge=2)
     # The baseline pass that ends every calibration: healthy prompts per level (and dense),
-    # of these kinds (sparse_engine.data.traffic), answered greedily to this many tokens.
-    baseline_requests: int = Field(120, ge=10)
+    # of these kinds (sparse_engine.data.traffic), answered greedily to this many tokens. A
+    # reason holds its budget on each kind when each kind has 1 / budget - 1 requests (99 at
+    # 1 %): 400 over four kinds.
+    baseline_requests: int = Field(400, ge=10)
     baseline_max_new_tokens: int = Field(16, ge=1)
     baseline_kinds: list[str] = Field(default_factory=lambda: ["chat", "qa", "code", "prose"])
 
@@ -329,6 +331,21 @@ class Settings(BaseSettings):
     jobs: JobSettings = Field(default_factory=lambda: JobSettings())
     trust: TrustSettings = Field(default_factory=lambda: TrustSettings())
     signals: SignalSettings = Field(default_factory=lambda: SignalSettings())
+
+    @model_validator(mode="after")
+    def _proxy_routes(self) -> Settings:
+        """A proxy gateway scores another model's answers: a route judged by serve- or
+        closed-mode models (fit on this model's own answers) would be judged by the wrong
+        model."""
+        wrong = {r: m for r, m in self.trust.route_modes.items() if m != "proxy"}
+        if self.gateway.mode == "proxy" and wrong:
+            raise ValueError(
+                f"a proxy gateway judges another model's answers, but route_modes judges "
+                f"{', '.join(f'{r} by {m}-mode' for r, m in wrong.items())} trust models (fit "
+                f"on this model's own answers): unset SPARSEGUARD_TRUST__ROUTE_MODES or map "
+                f"those routes to proxy"
+            )
+        return self
 
     @property
     def cache_home(self) -> Path:

@@ -132,6 +132,41 @@ def test_reasons_fire_beyond_everything_healthy() -> None:
     assert dense == (REASON_SILENCE_SPIKE,)  # no gate on a dense pass
 
 
+def test_reasons_hold_the_budget_on_every_kind_where_the_pooled_test_does_not() -> None:
+    """One kind (code) sits higher than the others, as late silence does on code: the pooled
+    1 % test spends its budget on that kind alone; the per-kind test keeps 1 % on each."""
+    rng = random.Random(7)
+
+    def draw(kind: str, n: int) -> list[float]:
+        return [rng.gauss(0.5 if kind == "code" else 0.2, 0.05) for _ in range(n)]
+
+    kinds = ("chat", "qa", "code", "prose")
+    healthy = SignalBaseline.of({k: draw(k, 100) for k in kinds})
+    assert healthy.smallest_p_every_kind() == pytest.approx(1 / 101)
+    assert SignalBaseline.from_dict(healthy.to_dict()) == healthy
+    fresh = draw("code", 20000)
+    pooled = sum(healthy.p_above(v) <= 0.01 for v in fresh) / len(fresh)
+    per_kind = sum(healthy.p_above_every_kind(v) <= 0.01 for v in fresh) / len(fresh)
+    assert pooled > 0.03  # the 4 pooled tail slots are all code's: 4 % of code
+    assert per_kind <= 0.01 + 4 * math.sqrt(0.01 / 100)
+    for kind in ("chat", "qa", "prose"):
+        others = draw(kind, 5000)
+        assert sum(healthy.p_above_every_kind(v) <= 0.01 for v in others) / 5000 <= 0.025
+    assert healthy.p_above_every_kind(2.0) == pytest.approx(1 / 101)  # above every kind
+    # A baseline made before kinds were kept answers with the pooled p-value.
+    old = {k: v for k, v in healthy.to_dict().items() if k != "kind_values"}
+    assert SignalBaseline.from_dict(old).p_above_every_kind(0.45) == healthy.p_above(0.45)
+
+
+def test_reasons_use_the_pooled_sample_where_a_kind_is_too_small_for_the_budget() -> None:
+    signals = SignalSettings()  # 1 % budget: each kind needs 99 requests
+    rng = random.Random(2)
+    small = baseline_of({"late_silence": [rng.uniform(0.1, 0.2) for _ in range(120)]}, kinds=4)
+    assert small.signals["late_silence"].smallest_p_every_kind() > signals.reason_budget
+    odd = RequestSignals(silence_per_layer=[0.9] * 6, gate_confidence=0.5, gate_entropy=0.5)
+    assert trust_reasons(odd, 1.0, signals, 0.3, baseline=small) == (REASON_SILENCE_SPIKE,)
+
+
 def test_deviation_bounds_shrink_with_requests() -> None:
     rule = Deviation("sparsity", z=4.0)
     values = {

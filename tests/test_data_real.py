@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from sparse_engine.data import traffic
 from sparse_engine.data.corpora import (
     halueval_items,
     load_texts,
@@ -52,6 +53,23 @@ def test_code_corpus_is_code(home: Path) -> None:
     text = "\n".join(load_texts("code", home))
     assert "def " in text
     assert "return" in text
+
+
+@slow
+@pytest.mark.parametrize("kind", traffic.HEALTHY_KINDS)
+def test_every_healthy_kind_has_a_per_kind_baseline_and_disjoint_halves(
+    home: Path, kind: str
+) -> None:
+    """A 1 % per-kind reason needs 99 baseline prompts a kind: code and prose give one per
+    500-character window, each document's windows in one half only."""
+    baseline = traffic.healthy(kind, home, "baseline", 100)
+    evaluation = traffic.healthy(kind, home, "evaluation", 100)
+    assert len(baseline) == 100 and not set(baseline) & set(evaluation)
+    if kind in ("code", "prose"):
+        docs = load_texts(kind if kind == "code" else "c4", home)
+        windows = [p.text.split("\n\n", 1)[1] for p in baseline]
+        sources = {i for w in windows for i, d in enumerate(docs) if w in d}
+        assert len(sources) < 100  # several windows of a document
 
 
 @slow

@@ -218,6 +218,18 @@ def test_bad_and_moved_settings_are_refused(monkeypatch: pytest.MonkeyPatch) -> 
         Settings()
 
 
+def test_the_cli_names_a_bad_setting_without_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("SPARSEGUARD_HOME", str(tmp_path))
+    monkeypatch.setenv("SPARSEGUARD_GATEWAY__MODE", "proxy")
+    monkeypatch.setenv("SPARSEGUARD_TRUST__ROUTE_MODES", '{"/v1/chat/completions": "closed"}')
+    assert main(["alerts", "export-prometheus"]) == 2
+    err = capsys.readouterr().err
+    assert "sparseguard: error:" in err and "/v1/chat/completions by closed-mode" in err
+    assert "Traceback" not in err
+
+
 def test_the_dashboards_draw_the_signal_settings() -> None:
     signals = SignalSettings(
         gate_band=(0.7, 0.9), drift_kl_24h=2.0, drift_budget=0.5, drift_recalibrate=1.5

@@ -158,9 +158,8 @@ def test_a_route_with_its_own_mode_is_judged_by_that_modes_newest_models(
     newer = published(
         tmp_path / "w", trust_model("tiny-llama", 0.0, "2025-01-03T00:00:00+00:00", mode="closed")
     )
-    proxy = bare.model_copy(update={"gateway": GatewaySettings(mode="proxy")})
-    load_judge(proxy, "tiny-llama")
-    assert "but this gateway proxies another model's answers" in caplog.text
+    with pytest.raises(ValueError, match="a proxy gateway judges another model's answers"):
+        Settings(home=tmp_path, trust=bare.trust, gateway=GatewaySettings(mode="proxy"))
     reloaded = reload_judge(bare, "tiny-llama", judge, [newer])
     assert reloaded.assess(stats, "p", False, chat).score == pytest.approx(0.5, abs=1e-3)
     assert serving_versions(reloaded)["default"] == serve_model.version

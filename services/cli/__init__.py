@@ -77,7 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    settings = Settings()
+    try:
+        settings = Settings()
+    except ValueError as exc:  # SPARSEGUARD_* settings that do not validate
+        sys.stderr.write(f"sparseguard: error: {exc}\n")
+        return 2
     logging.basicConfig(
         level="DEBUG" if args.verbose else settings.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -1,6 +1,7 @@
 """Why an answer's trust was lowered: each reason a test of one signal against the healthy
 baseline of the answer's level and calibration version, firing on at most
-`signals.reason_budget` of healthy requests (a conformal p-value from the baseline's sample).
+`signals.reason_budget` of the healthy requests of each kind the baseline measured (the
+largest of the kinds' conformal p-values, each from that kind's sample).
 Without a baseline (a calibration made before baselines existed) the published numbers in the
 signal settings apply, as before."""
 
@@ -116,5 +117,11 @@ def trust_reasons(
 
 
 def _above(baseline: LevelBaseline, signal: str, value: float, budget: float) -> bool:
+    """Unusual for every healthy kind the baseline measured (each kind within the budget);
+    where a kind's sample is too small to spend the budget, against the pooled sample."""
     stats = baseline.get(signal)
-    return stats is not None and stats.p_above(value) <= budget
+    if stats is None:
+        return False
+    if stats.smallest_p_every_kind() <= budget:
+        return stats.p_above_every_kind(value) <= budget
+    return stats.p_above(value) <= budget

@@ -167,12 +167,6 @@ def load_judge(settings: Settings, model_id: str, arrived: Sequence[TrustModel] 
     book = BaselineBook(CalibrationStore(settings.calibrations_dir))  # the reasons' baselines
     routes = {}
     for route, route_mode in settings.trust.route_modes.items():
-        if settings.gateway.mode == "proxy" and route_mode != "proxy":
-            log.warning(
-                "%s is judged by %s-mode trust models, fit on %s's own answers, but this "
-                "gateway proxies another model's answers",
-                route, route_mode, model_id,
-            )  # fmt: skip
         default, at_levels = _models(store, model_id, arrived, route_mode)
         if default is None:
             log.warning(

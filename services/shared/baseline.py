@@ -5,6 +5,7 @@ each level's baseline stored in its artefact (`Calibration.baseline`, `.dense_ba
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 
 from tqdm import tqdm
@@ -27,6 +28,16 @@ def baseline_prompts(settings: Settings) -> list[traffic.Prompt]:
     prompts = traffic.mix(
         tuple(cfg.baseline_kinds), settings.cache_home, "baseline", cfg.baseline_requests
     )
+    per_kind = len(prompts) // len(cfg.baseline_kinds)
+    if (per_kind + 1) * settings.signals.reason_budget < 1:
+        log.warning(
+            "%d baseline requests a kind cannot hold a %.1f %% reason budget on each kind "
+            "(the reasons fall back to the pooled sample): set "
+            "SPARSEGUARD_ENGINE__BASELINE_REQUESTS to %d or more",
+            per_kind,
+            100 * settings.signals.reason_budget,
+            len(cfg.baseline_kinds) * (math.ceil(1 / settings.signals.reason_budget) - 1),
+        )
     shared = traffic.with_system(prompts[::2])
     return [shared[i // 2] if i % 2 == 0 else p for i, p in enumerate(prompts)]
 

@@ -4,7 +4,8 @@ pass, `evaluation` for judging the alarms on requests the baseline never saw), a
 inputs the alarms must catch (garbage, templated, another language, prefix-defeating).
 
 None of these corpora is the calibration corpus's sample; a kind's prompts come from its own
-corpus in the fixed shuffled order, baseline from the front half and evaluation from the back."""
+corpus in the fixed shuffled order, baseline from the front half of its documents and
+evaluation from the back (code and prose documents give a prompt per 500-character window)."""
 
 from __future__ import annotations
 
@@ -101,39 +102,68 @@ def prefix_defeating(prompts: list[Prompt], seed: int = 0) -> list[Prompt]:
     ]
 
 
-def _half(texts: list[str], split: Split) -> list[str]:
-    kept = [t for t in texts if MIN_PROMPT_CHARS <= len(t) <= MAX_PROMPT_CHARS]
+def _half(docs: list[list[str]], split: Split) -> list[str]:
+    """The front or back half of the documents (a document's prompts stay in one half), their
+    prompts taken round-robin: every document's first, then every second, and so on. The code
+    corpus holds overlapping copies of some files: a prompt of the front half is not in the
+    back one."""
+    unique = dict.fromkeys(tuple(doc) for doc in docs)
+    kept = [ok for doc in unique if (ok := [t for t in doc if _fits(t)])]
     middle = len(kept) // 2
-    return kept[:middle] if split == "baseline" else kept[middle:]
+    front = _round_robin(kept[:middle])
+    if split == "baseline":
+        return front
+    seen = set(front)
+    return [t for t in _round_robin(kept[middle:]) if t not in seen]
 
 
-def _chat(home: Path) -> list[str]:
-    return shuffled(load_texts("sharegpt", home), seed=1)
+def _round_robin(docs: list[list[str]]) -> list[str]:
+    rounds = max((len(doc) for doc in docs), default=0)
+    return [doc[i] for i in range(rounds) for doc in docs if i < len(doc)]
 
 
-def _qa(home: Path) -> list[str]:
+def _fits(text: str) -> bool:
+    return MIN_PROMPT_CHARS <= len(text) <= MAX_PROMPT_CHARS
+
+
+def _windows(text: str, size: int) -> list[str]:
+    """`text` in windows of `size` characters (a last one under half a window is dropped): the
+    small code and prose corpora then give each kind the 99+ baseline prompts a 1 % per-kind
+    test needs."""
+    return [
+        text[i : i + size]
+        for i in range(0, len(text), size)
+        if i == 0 or len(text) - i >= size // 2
+    ]
+
+
+def _chat(home: Path) -> list[list[str]]:
+    return [[t] for t in shuffled(load_texts("sharegpt", home), seed=1)]
+
+
+def _qa(home: Path) -> list[list[str]]:
     items = shuffled(
         [f"{i.knowledge}\n\nQuestion: {i.question}" for i in halueval_items(home)], seed=1
     )
-    return [f"Answer the question from the passage.\n\n{text}" for text in items]
+    return [[f"Answer the question from the passage.\n\n{text}"] for text in items]
 
 
-def _code(home: Path) -> list[str]:
+def _code(home: Path) -> list[list[str]]:
     snippets = shuffled(load_texts("code", home), seed=1)
-    return [f"What does this code do?\n\n{s[:500]}" for s in snippets]
+    return [[f"What does this code do?\n\n{w}" for w in _windows(s, 500)] for s in snippets]
 
 
-def _prose(home: Path) -> list[str]:
+def _prose(home: Path) -> list[list[str]]:
     lines = shuffled(load_texts("c4", home), seed=1)
-    return [f"Continue this text:\n\n{line[:500]}" for line in lines]
+    return [[f"Continue this text:\n\n{w}" for w in _windows(line, 500)] for line in lines]
 
 
-def _summary(home: Path) -> list[str]:
+def _summary(home: Path) -> list[list[str]]:
     paragraphs = shuffled(load_texts("technical", home), seed=1)
-    return [f"Summarise in one sentence:\n\n{p[:550]}" for p in paragraphs]
+    return [[f"Summarise in one sentence:\n\n{p[:550]}"] for p in paragraphs]
 
 
-_SOURCES: dict[str, Callable[[Path], list[str]]] = {
+_SOURCES: dict[str, Callable[[Path], list[list[str]]]] = {
     "chat": _chat,
     "qa": _qa,
     "code": _code,
