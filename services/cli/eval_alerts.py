@@ -29,7 +29,7 @@ from services.shared.engine import load_served_model
 from sparse_engine.sparsity.plan import Level
 
 log = logging.getLogger(__name__)
-POOL_FORMAT = 1
+POOL_FORMAT = 2  # 2: each kind behind the shared system prompt every other time
 
 
 def register(commands: Any) -> None:

@@ -66,10 +66,10 @@ def zeroed_mlp(lm: LoadedModel, layer: int) -> Iterator[None]:
 
 
 def healthy_prompts(settings: Settings, count: int) -> list[traffic.Prompt]:
-    """Held-out healthy traffic: every kind's evaluation half, half with the shared system
-    prompt (as the baseline pass sends them)."""
+    """Held-out healthy traffic: every kind's evaluation half, every other prompt of each kind
+    with the shared system prompt (as the baseline pass sends them)."""
     prompts = traffic.mix(HEALTHY_KINDS, settings.cache_home, "evaluation", count)
-    return [traffic.with_system([p])[0] if i % 2 == 0 else p for i, p in enumerate(prompts)]
+    return traffic.half_with_system(prompts)
 
 
 def fault_prompts(

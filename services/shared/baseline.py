@@ -22,8 +22,8 @@ log = logging.getLogger(__name__)
 
 
 def baseline_prompts(settings: Settings) -> list[traffic.Prompt]:
-    """The baseline half of the configured healthy kinds, with the shared system prompt on
-    every other request (chat products send one; the prefix cache sees both)."""
+    """The baseline half of the configured healthy kinds, every other prompt of each kind
+    behind the shared system prompt."""
     cfg = settings.engine
     prompts = traffic.mix(
         tuple(cfg.baseline_kinds), settings.cache_home, "baseline", cfg.baseline_requests
@@ -38,8 +38,7 @@ def baseline_prompts(settings: Settings) -> list[traffic.Prompt]:
             100 * settings.signals.reason_budget,
             len(cfg.baseline_kinds) * (math.ceil(1 / settings.signals.reason_budget) - 1),
         )
-    shared = traffic.with_system(prompts[::2])
-    return [shared[i // 2] if i % 2 == 0 else p for i, p in enumerate(prompts)]
+    return traffic.half_with_system(prompts)
 
 
 def measure(
