@@ -158,6 +158,21 @@ def test_reasons_hold_the_budget_on_every_kind_where_the_pooled_test_does_not() 
     assert SignalBaseline.from_dict(old).p_above_every_kind(0.45) == healthy.p_above(0.45)
 
 
+def test_a_pooled_baseline_tests_against_every_kind_together() -> None:
+    rng = random.Random(8)
+    loud = [rng.uniform(0.5, 0.9) for _ in range(100)]  # one kind's late silence above the rest
+    by_kind = {"code": loud, **{k: [rng.uniform(0.1, 0.3) for _ in range(100)] for k in "abc"}}
+    level = LevelBaseline(
+        "balanced", 400, sorted(by_kind), 16, {"late_silence": SignalBaseline.of(by_kind)}
+    )
+    between = (sorted(loud)[-3] + sorted(loud)[-2]) / 2  # in the pool's top 1 %, under code's max
+    sig = RequestSignals(silence_per_layer=[between] * 6, gate_confidence=0.5, gate_entropy=0.5)
+    signals = SignalSettings()
+    assert trust_reasons(sig, 1.0, signals, 0.3, baseline=level) == ()
+    assert trust_reasons(sig, 1.0, signals, 0.3, baseline=level.pooled()) == (REASON_SILENCE_SPIKE,)
+    assert level.pooled().signals["late_silence"].kind_values == {}
+
+
 def test_reasons_use_the_pooled_sample_where_a_kind_is_too_small_for_the_budget() -> None:
     signals = SignalSettings()  # 1 % budget: each kind needs 99 requests
     rng = random.Random(2)

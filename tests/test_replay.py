@@ -17,6 +17,7 @@ from services.replay.measure import FAULTS as FAULT_NAMES
 from services.replay.measure import Measured, Measurer, fault_prompts, healthy_prompts
 from services.replay.replay import Calibrations, Scenario, events, replay
 from services.replay.scoring import Rate, fault_result, firings, rule_scores
+from services.replay.study import _pooled_rates
 from sparse_engine.calibration.baseline import summarise
 from sparse_engine.data.traffic import Prompt
 from sparse_engine.runtime.generation import GenerationStats
@@ -150,3 +151,27 @@ def test_the_alert_study_answers_with_the_readout_a_trust_model_reads(tmp_path: 
     measured = measurer._answer(engine, "healthy", Level.BALANCED, prompts)
     assert [m.kind for m in measured] == ["chat", "code"]
     assert all(m.stats.readout is not None for m in measured)
+
+
+def test_the_study_retests_the_sparse_levels_requests_against_the_pooled_sample() -> None:
+    """`reasons_pooled`: the same requests judged against the baseline without its kinds'
+    samples. A fault between the quiet kind's values and the loud kind's top is unusual for
+    the pool only, so only the pooled test fires on it."""
+    rng = random.Random(6)
+    quiet = [request(rng, "chat", 0.95) for _ in range(100)]
+    loud = [request(rng, "code", 0.95, silence=0.4) for _ in range(100)]
+    baseline = summarise(
+        Level.BALANCED, [Prompt(m.kind, m.prompt) for m in quiet + loud],
+        [m.stats for m in quiet + loud], 16,
+    )  # fmt: skip
+    cals = Calibrations({VERSION: 0.45}, {VERSION: baseline.to_dict()})
+    top = sorted(baseline.signals["late_silence"].kind_values["code"])
+    fault = [request(rng, "garbage", 0.95, silence=0.0) for _ in range(10)]
+    for m in fault:  # every layer at a late silence between code's two largest
+        assert m.stats.signals is not None
+        m.stats.signals.silence_rate_per_layer[:] = [(top[-1] + top[-2]) / 2] * 4
+    healthy = {"balanced": quiet[:20], "dense": quiet[:5]}
+    found = _pooled_rates(healthy, {"garbage": fault}, cals, Settings())
+    assert set(found["healthy"]["by_level"]) == {"balanced"}  # dense has no calibration
+    assert found["healthy"]["by_kind"]["chat"]["silence-spike"]["n"] == 20
+    assert found["faults"]["garbage"]["silence-spike"]["hits"] == 10

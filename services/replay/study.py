@@ -95,6 +95,7 @@ def run_study(
         "healthy_alerts": [asdict(f) for f in runs["healthy"][1]],
         "reasons_healthy": _reason_rates(healthy),
         "reasons_faults": {f: _rates(pool, REASONS) for f, pool in faults.items()},
+        "reasons_pooled": _pooled_rates(healthy, faults, calibrations, settings),
         "trust_actions_chat": {
             level: _action_rate([m for m in pool if m.kind == "chat"]).to_dict()
             for level, pool in healthy.items()
@@ -130,6 +131,31 @@ def _unseen(
             if m.stats.calibration_version is not None:
                 baselines[m.stats.calibration_version] = alt.to_dict()
     return pools, replace(calibrations, baselines=baselines)
+
+
+def _pooled_rates(
+    healthy: Mapping[str, list[Measured]],
+    faults: Mapping[str, list[Measured]],
+    calibrations: Calibrations,
+    settings: Settings,
+) -> dict[str, Any]:
+    """The reasons of the sparse levels' requests had each been tested against its baseline's
+    pooled sample (every kind together) instead of each kind's: what the per-kind test costs
+    in detection, and what it saves on healthy kinds, on the same requests."""
+
+    def rejudged(pool: Sequence[Measured]) -> list[Measured]:
+        found = []
+        for m in pool:
+            data = calibrations.baselines.get(m.stats.calibration_version or "")
+            if data is not None and m.level != Level.DENSE.value:
+                found.append(_rejudge(m, LevelBaseline.from_dict(dict(data)).pooled(), settings))
+        return found
+
+    sparse = {level: rejudged(pool) for level, pool in healthy.items() if level != "dense"}
+    return {
+        "healthy": _reason_rates(sparse),
+        "faults": {f: _rates(rejudged(pool), BASELINE_REASONS) for f, pool in faults.items()},
+    }
 
 
 def _prompt(m: Measured) -> Prompt:

@@ -14,7 +14,7 @@ import logging
 import math
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from sparse_engine.data.traffic import Prompt
@@ -123,6 +123,12 @@ class LevelBaseline:
 
     def get(self, signal: str) -> SignalBaseline | None:
         return self.signals.get(signal)
+
+    def pooled(self) -> LevelBaseline:
+        """The same baseline without the kinds' own samples: its reasons test against the
+        pooled sample (as before per-kind tests; the alert study compares the two)."""
+        signals = {k: replace(v, kind_values={}) for k, v in self.signals.items()}
+        return replace(self, signals=signals)
 
     def to_dict(self) -> dict[str, Any]:
         return {
