@@ -147,11 +147,13 @@ def _pooled_rates(
         found = []
         for m in pool:
             data = calibrations.baselines.get(m.stats.calibration_version or "")
-            if data is not None and m.level != Level.DENSE.value:
+            if data is not None:  # a dense request has no calibration
                 found.append(_rejudge(m, LevelBaseline.from_dict(dict(data)).pooled(), settings))
         return found
 
-    sparse = {level: rejudged(pool) for level, pool in healthy.items() if level != "dense"}
+    sparse = {
+        level: rejudged(pool) for level, pool in healthy.items() if level != Level.DENSE.value
+    }
     return {
         "healthy": _reason_rates(sparse),
         "faults": {f: _rates(rejudged(pool), BASELINE_REASONS) for f, pool in faults.items()},
