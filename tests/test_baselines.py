@@ -19,7 +19,7 @@ from alerts.rules import DEFAULT_RULES, load_rules
 from alerts.samples import samples_from_windows
 from services.aggregator.references import MIN_TRAILING, Reference, references
 from services.config import SignalSettings, TrustSettings
-from services.gateway.reasons import trust_reasons
+from services.gateway.reasons import BaselineBook, trust_reasons
 from services.gateway.trust import TrustJudge
 from services.telemetry.schema import (
     REASON_GATE_DEGRADED,
@@ -27,6 +27,8 @@ from services.telemetry.schema import (
     REASON_SILENCE_SPIKE,
 )
 from sparse_engine.calibration.baseline import LevelBaseline, SignalBaseline
+from sparse_engine.runtime.generation import GenerationStats
+from sparse_engine.sparsity.recorder import SignalSummary
 from sparse_engine.trust.features import RequestSignals
 from sparse_engine.trust.flagging import conformal_floor, set_flag_threshold
 from sparse_engine.trust.model import TrustModel, fit
@@ -171,6 +173,49 @@ def test_a_pooled_baseline_tests_against_every_kind_together() -> None:
     assert trust_reasons(sig, 1.0, signals, 0.3, baseline=level) == ()
     assert trust_reasons(sig, 1.0, signals, 0.3, baseline=level.pooled()) == (REASON_SILENCE_SPIKE,)
     assert level.pooled().signals["late_silence"].kind_values == {}
+
+
+def test_a_request_is_compared_with_the_kinds_of_its_own_category() -> None:
+    """Late silence between the text kinds' top and code's: unusual for a text request, not
+    for a code one. Tested against every kind, code's sample hides it (garbage on SmolLM2)."""
+    rng = random.Random(9)
+    loud = [rng.uniform(0.5, 0.9) for _ in range(100)]
+    by_kind = {"code": loud, **{k: [rng.uniform(0.1, 0.3) for _ in range(100)] for k in "abc"}}
+    categories = {"code": "code", "a": "text", "b": "text", "c": "text"}
+    level = LevelBaseline(
+        "balanced", 400, sorted(by_kind), 16, {"late_silence": SignalBaseline.of(by_kind)},
+        categories=categories,
+    )  # fmt: skip
+    assert level.kinds_of("text") == ["a", "b", "c"] and level.kinds_of("code") == ["code"]
+    assert level.kinds_of("other") is None and level.kinds_of(None) is None
+    sig = RequestSignals(silence_per_layer=[0.45] * 6, gate_confidence=0.5, gate_entropy=0.5)
+    signals = SignalSettings()
+    text = trust_reasons(sig, 1.0, signals, 0.3, baseline=level, category="text")
+    assert text == (REASON_SILENCE_SPIKE,)
+    assert trust_reasons(sig, 1.0, signals, 0.3, baseline=level, category="code") == ()
+    assert trust_reasons(sig, 1.0, signals, 0.3, baseline=level) == ()  # every kind
+    assert LevelBaseline.from_dict(level.to_dict()) == level
+    old = {k: v for k, v in level.to_dict().items() if k != "categories"}
+    assert LevelBaseline.from_dict(old).kinds_of("text") is None  # before categories: all
+    # The gateway's judge tells the category from the user's text, not the whole prompt.
+    book = BaselineBook(None)
+    book._dense = level
+    judge = TrustJudge(TrustSettings(), signals, None, book=book)
+    stats = GenerationStats(
+        text="ok", level="dense", calibration_version=None, prompt_tokens=8,
+        completion_tokens=4, finish_reason="stop", time_to_first_token_s=0.0,
+        decode_tokens_per_s=1.0, prefill_tokens_per_s=1.0, input_entropy_bits_per_char=4.0,
+        signals=SignalSummary(
+            sparsity_ratio=0.0, sparsity_per_layer=[0.0] * 6, gate_confidence=1.0,
+            activation_stability_pct=0.0, silence_rate_per_layer=[0.45] * 6, step_sparsity=[],
+            gate_entropy=0.5,
+        ),
+    )  # fmt: skip
+    code = "def f(x):\n    y = x * 2\n    return y\n\nprint(f(3))"
+    spoken = judge.assess(stats, f"Be brief.\n{code}", True, user_text="Hello there.")
+    assert REASON_SILENCE_SPIKE in spoken.reasons
+    written = judge.assess(stats, "Be brief.", True, user_text=code)
+    assert REASON_SILENCE_SPIKE not in written.reasons
 
 
 def test_reasons_use_the_pooled_sample_where_a_kind_is_too_small_for_the_budget() -> None:

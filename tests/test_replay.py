@@ -6,6 +6,7 @@ repeated are each caught by their rule within minutes and resolve after."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from services.replay.measure import FAULTS as FAULT_NAMES
 from services.replay.measure import Measured, Measurer, fault_prompts, healthy_prompts
 from services.replay.replay import Calibrations, Scenario, events, replay
 from services.replay.scoring import Rate, fault_result, firings, rule_scores
-from services.replay.study import _pooled_rates
+from services.replay.study import _rejudge, _rejudged_rates
 from sparse_engine.calibration.baseline import summarise
 from sparse_engine.data.traffic import Prompt
 from sparse_engine.runtime.generation import GenerationStats
@@ -171,7 +172,30 @@ def test_the_study_retests_the_sparse_levels_requests_against_the_pooled_sample(
         assert m.stats.signals is not None
         m.stats.signals.silence_rate_per_layer[:] = [(top[-1] + top[-2]) / 2] * 4
     healthy = {"balanced": quiet[:20], "dense": quiet[:5]}
-    found = _pooled_rates(healthy, {"garbage": fault}, cals, Settings())
+    found = _rejudged_rates(healthy, {"garbage": fault}, cals, Settings(), "pooled")
     assert set(found["healthy"]["by_level"]) == {"balanced"}  # dense has no calibration
     assert found["healthy"]["by_kind"]["chat"]["silence-spike"]["n"] == 20
     assert found["faults"]["garbage"]["silence-spike"]["hits"] == 10
+
+
+def test_the_study_retests_requests_against_every_kind_whatever_their_category() -> None:
+    """`reasons_every_kind`: a garbage request (text) whose late silence lies within code's is
+    unusual for the text kinds it is compared with, not for every kind."""
+    rng = random.Random(7)
+    quiet = [request(rng, "chat", 0.95) for _ in range(100)]
+    code = "def f(x):\n    y = x * 2\n    return y\n\nprint(f(3))"
+    loud = [replace(request(rng, "code", 0.95, silence=0.4), prompt=code) for _ in range(100)]
+    both = quiet + loud
+    baseline = summarise(Level.BALANCED, [Prompt(m.kind, m.prompt) for m in both],
+                         [m.stats for m in both], 16)  # fmt: skip
+    assert baseline.categories == {"chat": "text", "code": "code"}
+    cals = Calibrations({VERSION: 0.45}, {VERSION: baseline.to_dict()})
+    fault = [request(rng, "garbage", 0.95, silence=0.0) for _ in range(10)]
+    for m in fault:  # every layer at a late silence within code's, above chat's
+        assert m.stats.signals is not None
+        m.stats.signals.silence_rate_per_layer[:] = [0.8] * 4
+    judged = [_rejudge(m, baseline, Settings()) for m in fault]
+    assert all("silence-spike" in m.trust.reasons for m in judged)
+    found = _rejudged_rates({"balanced": quiet[:20]}, {"garbage": fault}, cals, Settings(),
+                            "every kind")  # fmt: skip
+    assert found["faults"]["garbage"]["silence-spike"]["hits"] == 0

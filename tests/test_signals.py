@@ -96,3 +96,14 @@ def test_recorder_silence_rate_per_layer() -> None:
     rec.observe_channels(0, x[:, 10:])
     assert rec.summary().silence_rate_per_layer == [pytest.approx(2 / 4)]
     assert math.isfinite(rec.summary().gate_entropy)
+
+
+def test_prompt_category_tells_code_from_text_by_its_layout() -> None:
+    code = "What does this code do?\n\ndef f(x):\n    y = x * 2\n    return y\n\nprint(f(3))"
+    assert signals.prompt_category(code) == signals.CODE
+    assert signals.prompt_category("Tell me about Paris (France).") == signals.TEXT
+    prose = "A first line.\nA second one.\nA third one.\nA fourth, with no symbols at all."
+    assert signals.prompt_category(prose) == signals.TEXT
+    cyrillic = "\n".join(["функция(x) { return x; }"] * 5)  # laid out as code, not ASCII
+    assert signals.prompt_category(cyrillic) == signals.TEXT
+    assert signals.prompt_category("") == signals.TEXT

@@ -35,11 +35,14 @@ def render(figures: dict[str, Any], budget: float) -> str:
     lines += _reason_table(figures["reasons_healthy"]["by_kind"])
     lines += ["", "Reasons on faulty requests"]
     lines += _reason_table(figures["reasons_faults"])
-    pooled = figures["reasons_pooled"]
-    lines += ["", "The same sparse-level requests tested against the pooled sample, by kind"]
-    lines += _reason_table(pooled["healthy"]["by_kind"])
-    lines += ["", "... and on faulty requests"]
-    lines += _reason_table(pooled["faults"])
+    for key, how in (
+        ("reasons_every_kind", "against every kind whatever their category"),
+        ("reasons_pooled", "against the pooled sample"),
+    ):
+        lines += ["", f"The same sparse-level requests tested {how}, by kind"]
+        lines += _reason_table(figures[key]["healthy"]["by_kind"])
+        lines += ["", "... and on faulty requests"]
+        lines += _reason_table(figures[key]["faults"])
     lines += ["", "Trust actions on healthy chat (flag budget applies to low-score)"]
     for level, rate in figures["trust_actions_chat"].items():
         lines.append(f"  {level:<12} {_rate(rate)}")

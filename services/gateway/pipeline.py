@@ -126,7 +126,7 @@ async def _answer(
     prompt = "\n".join(m["content"] for m in messages)
     async for item in answers:
         if isinstance(item, Answered):
-            trust = rt.trust.assess(item.stats, prompt, p.plan.is_dense, route)
+            trust = rt.trust.assess(item.stats, prompt, p.plan.is_dense, route, p.chat.user_text)
             yield Final(item.stats, trust, item.queue_s, item.engine_s)
         else:
             yield item

@@ -16,6 +16,7 @@ from sparse_engine.calibration.baseline import LevelBaseline
 from sparse_engine.calibration.store import CalibrationStore
 from sparse_engine.runtime.generation import GenerationStats
 from sparse_engine.sparsity.plan import Level
+from sparse_engine.sparsity.signals import prompt_category
 from sparse_engine.trust.features import RequestSignals, from_stats, rule_score
 from sparse_engine.trust.flagging import conformal_ceiling
 from sparse_engine.trust.model import TrustModel, TrustModelNotFoundError, TrustStore
@@ -110,11 +111,18 @@ class TrustJudge:
         self.book = book or BaselineBook(None)
 
     def assess(
-        self, stats: GenerationStats, prompt_text: str, is_dense: bool, route: str | None = None
+        self,
+        stats: GenerationStats,
+        prompt_text: str,
+        is_dense: bool,
+        route: str | None = None,
+        user_text: str | None = None,
     ) -> Trust:
         """`route`: the path of a request's first answer; a route with its own models
         (`route_modes`) is scored by them, and one with its own threshold (`act_below`) judges
-        the score by it instead of the healthy-chat flag threshold."""
+        the score by it instead of the healthy-chat flag threshold. `user_text`: the user's
+        turns, which tell the request's category for the baseline tests (default: the whole
+        `prompt_text`)."""
         sig = from_stats(stats, prompt_text)
         late = sig.late_silence(self.signals.late_band)
         own_models = self.routes.get(route) if route is not None else None
@@ -127,7 +135,10 @@ class TrustJudge:
         healthy = self.book.lookup(stats.calibration_version, stats.level)
         own = self.cfg.act_below.get(route) if route is not None else None
         flag_below = own if own is not None else self.flag_below(model, healthy, stats.level)
-        reasons = trust_reasons(sig, score, self.signals, flag_below, is_dense, healthy, z)
+        category = prompt_category(prompt_text if user_text is None else user_text)
+        reasons = trust_reasons(
+            sig, score, self.signals, flag_below, is_dense, healthy, z, category
+        )
         if stats.signals is not None:
             self.baseline.update(stats.level, late)
         low = any(r in self.cfg.act_on for r in reasons)

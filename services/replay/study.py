@@ -26,6 +26,7 @@ from services.telemetry.schema import (
 from sparse_engine.calibration.baseline import LevelBaseline, summarise
 from sparse_engine.data.traffic import Prompt
 from sparse_engine.sparsity.plan import Level
+from sparse_engine.sparsity.signals import prompt_category
 from sparse_engine.trust.features import from_stats
 
 # The rule each fault is meant to raise.
@@ -95,7 +96,10 @@ def run_study(
         "healthy_alerts": [asdict(f) for f in runs["healthy"][1]],
         "reasons_healthy": _reason_rates(healthy),
         "reasons_faults": {f: _rates(pool, REASONS) for f, pool in faults.items()},
-        "reasons_pooled": _pooled_rates(healthy, faults, calibrations, settings),
+        "reasons_pooled": _rejudged_rates(healthy, faults, calibrations, settings, "pooled"),
+        "reasons_every_kind": _rejudged_rates(
+            healthy, faults, calibrations, settings, "every kind"
+        ),
         "trust_actions_chat": {
             level: _action_rate([m for m in pool if m.kind == "chat"]).to_dict()
             for level, pool in healthy.items()
@@ -133,22 +137,29 @@ def _unseen(
     return pools, replace(calibrations, baselines=baselines)
 
 
-def _pooled_rates(
+def _rejudged_rates(
     healthy: Mapping[str, list[Measured]],
     faults: Mapping[str, list[Measured]],
     calibrations: Calibrations,
     settings: Settings,
+    test: str,
 ) -> dict[str, Any]:
-    """The reasons of the sparse levels' requests had each been tested against its baseline's
-    pooled sample (every kind together) instead of each kind's: what the per-kind test costs
-    in detection, and what it saves on healthy kinds, on the same requests."""
+    """The reasons of the sparse levels' requests had each been tested another way, on the
+    same requests: `pooled`, against its baseline's pooled sample (every kind together), or
+    `every kind`, against each kind's sample whatever the request's category. What the
+    per-kind and per-category tests cost in detection and save on healthy kinds."""
 
     def rejudged(pool: Sequence[Measured]) -> list[Measured]:
         found = []
         for m in pool:
             data = calibrations.baselines.get(m.stats.calibration_version or "")
-            if data is not None:  # a dense request has no calibration
-                found.append(_rejudge(m, LevelBaseline.from_dict(dict(data)).pooled(), settings))
+            if data is None:  # a dense request has no calibration
+                continue
+            baseline = LevelBaseline.from_dict(dict(data))
+            if test == "pooled":
+                found.append(_rejudge(m, baseline.pooled(), settings))
+            else:
+                found.append(_rejudge(m, baseline, settings, categorised=False))
         return found
 
     sparse = {
@@ -164,10 +175,14 @@ def _prompt(m: Measured) -> Prompt:
     return Prompt(m.kind, m.prompt)
 
 
-def _rejudge(m: Measured, baseline: LevelBaseline, settings: Settings) -> Measured:
+def _rejudge(
+    m: Measured, baseline: LevelBaseline, settings: Settings, categorised: bool = True
+) -> Measured:
     sig = from_stats(m.stats, m.prompt)
     kept = tuple(r for r in m.trust.reasons if r not in BASELINE_REASONS)
-    found = trust_reasons(sig, 1.0, settings.signals, 0.0, m.level == "dense", baseline)
+    dense = m.level == "dense"
+    category = prompt_category(m.prompt) if categorised else None
+    found = trust_reasons(sig, 1.0, settings.signals, 0.0, dense, baseline, category=category)
     reasons = tuple(r for r in found if r in BASELINE_REASONS) + kept
     return replace(m, trust=replace(m.trust, reasons=reasons))
 

@@ -13,7 +13,8 @@ import bisect
 import logging
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -22,7 +23,7 @@ from sparse_engine.runtime.engine import Engine
 from sparse_engine.runtime.generation import GenerationRequest, GenerationStats
 from sparse_engine.runtime.offline import generate_all
 from sparse_engine.sparsity.plan import Level
-from sparse_engine.sparsity.signals import LATE_BAND, late_silence
+from sparse_engine.sparsity.signals import LATE_BAND, late_silence, prompt_category
 
 log = logging.getLogger(__name__)
 
@@ -81,21 +82,25 @@ class SignalBaseline:
         On healthy traffic exchangeable with the sample, P(p <= a) <= a for every a."""
         return _p_above(self.values, value)
 
-    def p_above_every_kind(self, value: float) -> float:
+    def p_above_every_kind(self, value: float, kinds: Collection[str] | None = None) -> float:
         """The largest of the kinds' own p-values: `value` is this unusual for every kind of
-        healthy traffic. A request of any one kind exchangeable with that kind's sample gets
-        P(p <= a) <= a, so no kind fires more than the budget; the pooled p-value keeps it on
-        the mix only (late silence fired on 10 % of Qwen's code at 1 %, README). A baseline
-        made before per-kind samples were kept: the pooled p-value."""
-        if not self.kind_values:
+        healthy traffic (of `kinds`, default all). A request of any one kind exchangeable with
+        that kind's sample gets P(p <= a) <= a, so no kind fires more than the budget; the
+        pooled p-value keeps it on the mix only (late silence fired on 10 % of Qwen's code at
+        1 %, README). A baseline made before per-kind samples were kept: the pooled p-value."""
+        samples = self._samples(kinds)
+        if not samples:
             return self.p_above(value)
-        return max(_p_above(vs, value) for vs in self.kind_values.values())
+        return max(_p_above(vs, value) for vs in samples)
 
-    def smallest_p_every_kind(self) -> float:
+    def smallest_p_every_kind(self, kinds: Collection[str] | None = None) -> float:
         """The smallest p-value `p_above_every_kind` can give: 1 / (n + 1) of the smallest
         kind. A budget below it can never be spent (a kind needs 99 requests for 1 %)."""
-        sizes = [len(vs) for vs in self.kind_values.values()] or [self.n]
+        sizes = [len(vs) for vs in self._samples(kinds)] or [self.n]
         return 1 / (min(sizes) + 1)
+
+    def _samples(self, kinds: Collection[str] | None) -> list[list[float]]:
+        return [vs for k, vs in self.kind_values.items() if kinds is None or k in kinds]
 
     def p_below(self, value: float) -> float:
         at_most = bisect.bisect_right(self.values, value)
@@ -120,9 +125,17 @@ class LevelBaseline:
     signals: dict[str, SignalBaseline]
     silence_per_layer: list[SignalBaseline] = field(default_factory=list)
     sparsity_per_layer: list[SignalBaseline] = field(default_factory=list)
+    categories: dict[str, str] = field(default_factory=dict)  # kind -> most of its prompts'
 
     def get(self, signal: str) -> SignalBaseline | None:
         return self.signals.get(signal)
+
+    def kinds_of(self, category: str | None) -> list[str] | None:
+        """The kinds whose prompts are mostly of `category` (`sparsity.signals.prompt_category`):
+        the kinds a request of that category is compared with. None (every kind) for no
+        category, a baseline made before categories were kept, or a category no kind has."""
+        kinds = [k for k, c in self.categories.items() if c == category]
+        return kinds or None
 
     def pooled(self) -> LevelBaseline:
         """The same baseline without the kinds' own samples: its reasons test against the
@@ -139,6 +152,7 @@ class LevelBaseline:
             "signals": {k: v.to_dict() for k, v in self.signals.items()},
             "silence_per_layer": [s.to_dict() for s in self.silence_per_layer],
             "sparsity_per_layer": [s.to_dict() for s in self.sparsity_per_layer],
+            "categories": self.categories,
         }
 
     @classmethod
@@ -151,6 +165,7 @@ class LevelBaseline:
             signals={k: SignalBaseline.from_dict(v) for k, v in data["signals"].items()},
             silence_per_layer=[SignalBaseline.from_dict(s) for s in data["silence_per_layer"]],
             sparsity_per_layer=[SignalBaseline.from_dict(s) for s in data["sparsity_per_layer"]],
+            categories=dict(data.get("categories", {})),
         )
 
 
@@ -223,7 +238,16 @@ def summarise(
         signals={name: SignalBaseline.of(by_signal[name]) for name in SIGNALS if name in by_signal},
         silence_per_layer=[SignalBaseline.of(layer) for layer in silence],
         sparsity_per_layer=[SignalBaseline.of(layer) for layer in sparsity],
+        categories=kind_categories(prompts),
     )
+
+
+def kind_categories(prompts: Sequence[Prompt]) -> dict[str, str]:
+    """Each kind's category: the one most of its prompts have (a tie: the first by name)."""
+    counts: dict[str, Counter[str]] = {}
+    for p in prompts:
+        counts.setdefault(p.kind, Counter())[prompt_category(p.text)] += 1
+    return {k: max(sorted(c), key=lambda cat: c[cat]) for k, c in counts.items()}
 
 
 def _add_layers(into: list[dict[str, list[float]]], kind: str, values: Sequence[float]) -> None:
