@@ -29,7 +29,8 @@ from services.shared.engine import load_served_model
 from sparse_engine.sparsity.plan import Level
 
 log = logging.getLogger(__name__)
-POOL_FORMAT = 2  # 2: each kind behind the shared system prompt every other time
+POOL_FORMAT = 3  # 2: each kind behind the shared system prompt every other time; 3: reasons
+# judged against the kinds of the request's category
 
 
 def register(commands: Any) -> None:
