@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 
 from alerts.rules import DEFAULT_RULES, load_rules
+from services.cli import main
+from services.cli.eval_reasons import reason_figures
+from services.cli.eval_reasons import render as render_reasons
 from services.config import Settings
 from services.gateway.trust import Trust, load_judge
 from services.replay.measure import FAULTS as FAULT_NAMES
@@ -199,3 +202,43 @@ def test_the_study_retests_requests_against_every_kind_whatever_their_category()
     found = _rejudged_rates({"balanced": quiet[:20]}, {"garbage": fault}, cals, Settings(),
                             "every kind")  # fmt: skip
     assert found["faults"]["garbage"]["silence-spike"]["hits"] == 0
+
+
+def test_eval_reasons_reports_each_reason_per_level_with_the_prompts_it_fired_on() -> None:
+    rng = random.Random(3)
+    code = "def f(x):\n    y = x * 2\n    return y\n\nprint(f(3))"
+    loud = replace(request(rng, "code", 0.95), prompt=code)
+    quiet = request(rng, "code", 0.95)
+    spike = Trust(0.9, reasons=("silence-spike",))
+    measured = {
+        "balanced": [replace(loud, trust=spike), quiet],
+        "dense": [replace(loud, level="dense", trust=spike), quiet],
+    }
+    figures = reason_figures("code", measured, 0.01)
+    assert figures["prompts"] == 2
+    assert figures["rates"]["balanced"]["silence-spike"]["hits"] == 1
+    assert figures["rates"]["all levels"]["silence-spike"] | {"ci95": None} == {
+        "hits": 2, "n": 4, "share": 0.5, "ci95": None,
+    }  # fmt: skip
+    assert figures["rates"]["all levels"]["gate-degraded"]["hits"] == 0
+    fired = figures["fired_on"]["silence-spike"]
+    assert fired == [{"prompt": code, "category": "code", "levels": ["balanced", "dense"]}]
+    text = render_reasons(figures)
+    assert "silence-spike: 1 distinct prompts" in text and "[code; balanced,dense]" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--count", "0"], "--count must be 1 or more"),
+        (["--levels", "medium"], "unknown level 'medium'"),
+    ],
+)
+def test_eval_reasons_refuses_bad_arguments_naming_the_fix(
+    argv: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    monkeypatch.setenv("SPARSEGUARD_HOME", str(tmp_path))
+    assert main(["eval", "reasons", "--kind", "code", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

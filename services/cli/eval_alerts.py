@@ -26,6 +26,8 @@ from services.replay.measure import FAULTS, Measured, Measurer
 from services.replay.replay import Calibrations
 from services.replay.study import StudyConfig, run_study
 from services.shared.engine import load_served_model
+from sparse_engine.calibration.store import Calibration
+from sparse_engine.model.loader import LoadedModel
 from sparse_engine.sparsity.plan import Level
 
 log = logging.getLogger(__name__)
@@ -66,16 +68,9 @@ def run_eval_alerts(args: argparse.Namespace, settings: Settings) -> int:
         raise ValueError(f"--fault-offset must be 0 or more, got {args.fault_offset}")
     if fault_level is Level.DENSE:
         raise ValueError("inject faults at a sparse level (the dense level has no gate)")
-    if args.model:  # every part of the study (engine, trust model, baselines) on that model
-        engine = settings.engine.model_copy(update={"model": args.model})
-        settings = settings.model_copy(update={"engine": engine})
+    settings = with_model(settings, args.model)
     lm = load_served_model(settings)
-    cals = {lv: store(settings).latest(lm.weights_sha256, lv) for lv in _sparse_levels()}
-    if any(c.baseline is None for c in cals.values()):
-        raise ValueError(
-            "the latest calibrations have no healthy baseline; run "
-            "`sparseguard calibrations baseline` (or calibrate again)"
-        )
+    cals = latest_with_baselines(settings, lm)
     tokens = settings.engine.baseline_max_new_tokens
     measured_at = {int(c.baseline["max_new_tokens"]) for c in cals.values() if c.baseline}
     if measured_at != {tokens}:
@@ -111,6 +106,25 @@ def run_eval_alerts(args: argparse.Namespace, settings: Settings) -> int:
     else:
         emit(render(figures, settings.signals.reason_budget))
     return 0
+
+
+def with_model(settings: Settings, model: str | None) -> Settings:
+    """Every part of a study (engine, trust model, baselines) on `model` (None: the served)."""
+    if not model:
+        return settings
+    engine = settings.engine.model_copy(update={"model": model})
+    return settings.model_copy(update={"engine": engine})
+
+
+def latest_with_baselines(settings: Settings, lm: LoadedModel) -> dict[Level, Calibration]:
+    """The latest calibration of each sparse level of `lm`; each must have its baseline."""
+    cals = {lv: store(settings).latest(lm.weights_sha256, lv) for lv in _sparse_levels()}
+    if any(c.baseline is None for c in cals.values()):
+        raise ValueError(
+            "the latest calibrations have no healthy baseline; run "
+            "`sparseguard calibrations baseline` (or calibrate again)"
+        )
+    return cals
 
 
 def _sparse_levels() -> list[Level]:

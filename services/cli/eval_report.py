@@ -45,7 +45,7 @@ def render(figures: dict[str, Any], budget: float) -> str:
         lines += _reason_table(figures[key]["faults"])
     lines += ["", "Trust actions on healthy chat (flag budget applies to low-score)"]
     for level, rate in figures["trust_actions_chat"].items():
-        lines.append(f"  {level:<12} {_rate(rate)}")
+        lines.append(f"  {level:<12} {rate_text(rate)}")
     unseen = figures["unseen_kinds"]
     lines += [
         "",
@@ -69,11 +69,14 @@ def _reason_table(rows: dict[str, dict[str, Any]]) -> list[str]:
     reasons = list(next(iter(rows.values())))
     lines = ["  " + f"{'':<16}" + "".join(f"{r:<26}" for r in reasons)]
     for name, by_reason in rows.items():
-        lines.append("  " + f"{name:<16}" + "".join(f"{_rate(by_reason[r]):<26}" for r in reasons))
+        lines.append(
+            "  " + f"{name:<16}" + "".join(f"{rate_text(by_reason[r]):<26}" for r in reasons)
+        )
     return lines
 
 
-def _rate(rate: dict[str, Any]) -> str:
+def rate_text(rate: dict[str, Any]) -> str:
+    """A rate as `share (hits/n; 95 % interval)`."""
     low, high = rate["ci95"]
     return f"{rate['share']:.1%} ({rate['hits']}/{rate['n']}; {low:.1%}-{high:.1%})"
 

@@ -107,7 +107,11 @@ class Measurer:
         return build_engine(self.settings, self.lm, prefix_cache=True)
 
     def healthy(self, level: Level, count: int) -> list[Measured]:
-        return self._answer(self.engine(), "healthy", level, healthy_prompts(self.settings, count))
+        return self.answer(level, healthy_prompts(self.settings, count))
+
+    def answer(self, level: Level, prompts: list[traffic.Prompt]) -> list[Measured]:
+        """Healthy `prompts` answered at `level` and judged."""
+        return self._answer(self.engine(), "healthy", level, prompts)
 
     def fault(self, fault: str, level: Level, count: int, offset: int = 0) -> list[Measured]:
         prompts = fault_prompts(self.settings, fault, count, offset)

@@ -1,0 +1,109 @@
+"""`sparseguard eval reasons`: held-out prompts of one healthy kind through the engine as served,
+judged by the gateway's trust judge, and per level the share of them each reason fired on,
+with the prompts it fired on. Does a reason hold its budget on that kind, measured on more
+distinct prompts than the alert study's mix gives one kind (24 at `--healthy 120`)?"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from tqdm import tqdm
+
+from services.cli.common import emit, emit_json, eval_commands, store
+from services.cli.eval_alerts import latest_with_baselines, with_model
+from services.cli.eval_report import rate_text
+from services.config import Settings
+from services.gateway.reasons import BaselineBook
+from services.gateway.trust import load_judge
+from services.replay.measure import Measured, Measurer
+from services.replay.scoring import Rate
+from services.replay.study import REASONS
+from services.shared.engine import load_served_model
+from sparse_engine.data import traffic
+from sparse_engine.sparsity.plan import Level
+from sparse_engine.sparsity.signals import prompt_category
+
+
+def register(commands: Any) -> None:
+    cmd = eval_commands(commands).add_parser(
+        "reasons", help="per-request reasons on one healthy kind's held-out prompts"
+    )
+    cmd.add_argument("--kind", required=True, choices=traffic.HEALTHY_KINDS)
+    cmd.add_argument("--count", type=int, default=100, help="held-out prompts of the kind")
+    cmd.add_argument(
+        "--levels", default="all", help="comma-separated levels, or all (default: all)"
+    )
+    cmd.add_argument("--model", help="model name, HF directory or GGUF file (default: served)")
+    cmd.add_argument("--json", action="store_true", help="print the figures as JSON")
+    cmd.set_defaults(handler=run_eval_reasons)
+
+
+def run_eval_reasons(args: argparse.Namespace, settings: Settings) -> int:
+    if args.count < 1:
+        raise ValueError(f"--count must be 1 or more, got {args.count}")
+    names = [n.strip() for n in args.levels.split(",") if n.strip()]
+    levels = list(Level) if names == ["all"] else [Level.parse(n) for n in names]
+    settings = with_model(settings, args.model)
+    prompts = traffic.healthy(args.kind, settings.cache_home, "evaluation", args.count)
+    prompts = traffic.half_with_system(prompts)  # as the baseline pass and the study send them
+    lm = load_served_model(settings)
+    latest_with_baselines(settings, lm)
+    judge = load_judge(settings, lm.model_id)
+    judge.book = BaselineBook(store(settings))
+    with tqdm(total=len(levels) * len(prompts), desc="measuring requests", unit="req") as bar:
+        measurer = Measurer(settings, lm, judge, bar.update)
+        measured = {level.value: measurer.answer(level, prompts) for level in levels}
+    figures = reason_figures(args.kind, measured, settings.signals.reason_budget)
+    if args.json:
+        emit_json(figures)
+    else:
+        emit(render(figures))
+    return 0
+
+
+def reason_figures(kind: str, measured: dict[str, list[Measured]], budget: float) -> dict[str, Any]:
+    """Per level and over all levels, each reason's share of the requests; per reason, the
+    prompts it fired on (with their category and the levels)."""
+    every = [m for pool in measured.values() for m in pool]
+    rows = dict(measured) | {"all levels": every}
+    fired: dict[str, dict[str, list[str]]] = {}
+    for m in every:
+        for reason in m.trust.reasons:
+            fired.setdefault(reason, {}).setdefault(m.prompt, []).append(m.level)
+    return {
+        "kind": kind,
+        "prompts": len(next(iter(measured.values()), [])),
+        "budget": budget,
+        "rates": {
+            row: {
+                r: Rate(sum(r in m.trust.reasons for m in pool), len(pool)).to_dict()
+                for r in REASONS
+            }
+            for row, pool in rows.items()
+        },
+        "fired_on": {
+            reason: [
+                {"prompt": p, "category": prompt_category(p), "levels": lv}
+                for p, lv in sorted(by_prompt.items(), key=lambda item: -len(item[1]))
+            ]
+            for reason, by_prompt in sorted(fired.items())
+        },
+    }
+
+
+def render(figures: dict[str, Any]) -> str:
+    lines = [
+        f"{figures['prompts']} held-out {figures['kind']} prompts a level; reason budget "
+        f"{figures['budget']:.0%} (95% interval)",
+        f"{'':<14}" + "".join(f"{r:<28}" for r in REASONS),
+    ]
+    for row, rates in figures["rates"].items():
+        cells = "".join(f"{rate_text(rates[r]):<28}" for r in REASONS)
+        lines.append(f"{row:<14}{cells}")
+    for reason, prompts in figures["fired_on"].items():
+        lines += ["", f"{reason}: {len(prompts)} distinct prompts"]
+        for p in prompts:
+            text = " ".join(p["prompt"].split())[:90]
+            lines.append(f"  [{p['category']}; {','.join(p['levels'])}] {text}")
+    return "\n".join(lines)
