@@ -21,7 +21,7 @@ from services.replay.measure import FAULTS as FAULT_NAMES
 from services.replay.measure import Measured, Measurer, fault_prompts, healthy_prompts
 from services.replay.replay import Calibrations, Scenario, events, replay
 from services.replay.scoring import Rate, fault_result, firings, rule_scores
-from services.replay.study import _rejudge, _rejudged_rates
+from services.replay.study import _rejudged_rates, rejudge
 from sparse_engine.calibration.baseline import summarise
 from sparse_engine.data.traffic import Prompt
 from sparse_engine.runtime.generation import GenerationStats
@@ -197,7 +197,7 @@ def test_the_study_retests_requests_against_every_kind_whatever_their_category()
     for m in fault:  # every layer at a late silence within code's, above chat's
         assert m.stats.signals is not None
         m.stats.signals.silence_rate_per_layer[:] = [0.8] * 4
-    judged = [_rejudge(m, baseline, Settings()) for m in fault]
+    judged = [rejudge(m, baseline, Settings()) for m in fault]
     assert all("silence-spike" in m.trust.reasons for m in judged)
     found = _rejudged_rates({"balanced": quiet[:20]}, {"garbage": fault}, cals, Settings(),
                             "every kind")  # fmt: skip
@@ -214,7 +214,8 @@ def test_eval_reasons_reports_each_reason_per_level_with_the_prompts_it_fired_on
         "balanced": [replace(loud, trust=spike), quiet],
         "dense": [replace(loud, level="dense", trust=spike), quiet],
     }
-    figures = reason_figures("code", measured, 0.01)
+    every_kind = {"balanced": [loud, quiet]}  # judged again: no reason
+    figures = reason_figures("code", measured, 0.01, every_kind)
     assert figures["prompts"] == 2
     assert figures["rates"]["balanced"]["silence-spike"]["hits"] == 1
     assert figures["rates"]["all levels"]["silence-spike"] | {"ci95": None} == {
@@ -223,8 +224,15 @@ def test_eval_reasons_reports_each_reason_per_level_with_the_prompts_it_fired_on
     assert figures["rates"]["all levels"]["gate-degraded"]["hits"] == 0
     fired = figures["fired_on"]["silence-spike"]
     assert fired == [{"prompt": code, "category": "code", "levels": ["balanced", "dense"]}]
+    again = figures["rates_every_kind"]
+    assert (
+        again["balanced"]["silence-spike"]["n"] == 2
+        and again["balanced"]["silence-spike"]["hits"] == 0
+    )
+    assert set(again["all these levels"]) == {"silence-spike", "gate-degraded", "monotonous-input"}
     text = render_reasons(figures)
     assert "silence-spike: 1 distinct prompts" in text and "[code; balanced,dense]" in text
+    assert "against every kind" in text
 
 
 @pytest.mark.parametrize(

@@ -18,8 +18,9 @@ from services.gateway.reasons import BaselineBook
 from services.gateway.trust import load_judge
 from services.replay.measure import Measured, Measurer
 from services.replay.scoring import Rate
-from services.replay.study import REASONS
+from services.replay.study import BASELINE_REASONS, REASONS, rejudge
 from services.shared.engine import load_served_model
+from sparse_engine.calibration.baseline import LevelBaseline
 from sparse_engine.data import traffic
 from sparse_engine.sparsity.plan import Level
 from sparse_engine.sparsity.signals import prompt_category
@@ -48,13 +49,19 @@ def run_eval_reasons(args: argparse.Namespace, settings: Settings) -> int:
     prompts = traffic.healthy(args.kind, settings.cache_home, "evaluation", args.count)
     prompts = traffic.half_with_system(prompts)  # as the baseline pass and the study send them
     lm = load_served_model(settings)
-    latest_with_baselines(settings, lm)
+    cals = latest_with_baselines(settings, lm)
+    baselines = {lv.value: LevelBaseline.from_dict(c.baseline or {}) for lv, c in cals.items()}
     judge = load_judge(settings, lm.model_id)
     judge.book = BaselineBook(store(settings))
     with tqdm(total=len(levels) * len(prompts), desc="measuring requests", unit="req") as bar:
         measurer = Measurer(settings, lm, judge, bar.update)
         measured = {level.value: measurer.answer(level, prompts) for level in levels}
-    figures = reason_figures(args.kind, measured, settings.signals.reason_budget)
+    every_kind = {  # the sparse levels' requests, against every kind whatever their category
+        level: [rejudge(m, baselines[level], settings, categorised=False) for m in pool]
+        for level, pool in measured.items()
+        if level in baselines
+    }
+    figures = reason_figures(args.kind, measured, settings.signals.reason_budget, every_kind)
     if args.json:
         emit_json(figures)
     else:
@@ -62,11 +69,19 @@ def run_eval_reasons(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-def reason_figures(kind: str, measured: dict[str, list[Measured]], budget: float) -> dict[str, Any]:
+def reason_figures(
+    kind: str,
+    measured: dict[str, list[Measured]],
+    budget: float,
+    every_kind: dict[str, list[Measured]] | None = None,
+) -> dict[str, Any]:
     """Per level and over all levels, each reason's share of the requests; per reason, the
-    prompts it fired on (with their category and the levels)."""
+    prompts it fired on (with their category and the levels); the same shares for
+    `every_kind`, the requests judged again against every kind."""
     every = [m for pool in measured.values() for m in pool]
     rows = dict(measured) | {"all levels": every}
+    again = every_kind or {}
+    again_rows = dict(again) | {"all these levels": [m for p in again.values() for m in p]}
     fired: dict[str, dict[str, list[str]]] = {}
     for m in every:
         for reason in m.trust.reasons:
@@ -75,12 +90,9 @@ def reason_figures(kind: str, measured: dict[str, list[Measured]], budget: float
         "kind": kind,
         "prompts": len(next(iter(measured.values()), [])),
         "budget": budget,
-        "rates": {
-            row: {
-                r: Rate(sum(r in m.trust.reasons for m in pool), len(pool)).to_dict()
-                for r in REASONS
-            }
-            for row, pool in rows.items()
+        "rates": {row: _rates(pool, REASONS) for row, pool in rows.items()},
+        "rates_every_kind": {
+            row: _rates(pool, BASELINE_REASONS) for row, pool in again_rows.items()
         },
         "fired_on": {
             reason: [
@@ -92,6 +104,10 @@ def reason_figures(kind: str, measured: dict[str, list[Measured]], budget: float
     }
 
 
+def _rates(pool: list[Measured], reasons: tuple[str, ...]) -> dict[str, Any]:
+    return {r: Rate(sum(r in m.trust.reasons for m in pool), len(pool)).to_dict() for r in reasons}
+
+
 def render(figures: dict[str, Any]) -> str:
     lines = [
         f"{figures['prompts']} held-out {figures['kind']} prompts a level; reason budget "
@@ -101,6 +117,10 @@ def render(figures: dict[str, Any]) -> str:
     for row, rates in figures["rates"].items():
         cells = "".join(f"{rate_text(rates[r]):<28}" for r in REASONS)
         lines.append(f"{row:<14}{cells}")
+    lines += ["", "The sparse levels' requests against every kind, whatever their category"]
+    for row, rates in figures["rates_every_kind"].items():
+        cells = "".join(f"{rate_text(rates[r]):<28}" for r in BASELINE_REASONS)
+        lines.append(f"{row:<18}{cells}")
     for reason, prompts in figures["fired_on"].items():
         lines += ["", f"{reason}: {len(prompts)} distinct prompts"]
         for p in prompts:

@@ -130,7 +130,7 @@ def _unseen(
             settings.signals.late_band,
         )
         checked = [m for m in pool if m.kind in UNSEEN_CHECK_KINDS]
-        pools[level] = [_rejudge(m, alt, settings) for m in checked]
+        pools[level] = [rejudge(m, alt, settings) for m in checked]
         for m in checked:
             if m.stats.calibration_version is not None:
                 baselines[m.stats.calibration_version] = alt.to_dict()
@@ -157,9 +157,9 @@ def _rejudged_rates(
                 continue
             baseline = LevelBaseline.from_dict(dict(data))
             if test == "pooled":
-                found.append(_rejudge(m, baseline.pooled(), settings))
+                found.append(rejudge(m, baseline.pooled(), settings))
             else:
-                found.append(_rejudge(m, baseline, settings, categorised=False))
+                found.append(rejudge(m, baseline, settings, categorised=False))
         return found
 
     sparse = {
@@ -175,9 +175,11 @@ def _prompt(m: Measured) -> Prompt:
     return Prompt(m.kind, m.prompt)
 
 
-def _rejudge(
+def rejudge(
     m: Measured, baseline: LevelBaseline, settings: Settings, categorised: bool = True
 ) -> Measured:
+    """`m` with its baseline reasons judged again against `baseline`: against the kinds of its
+    category, or (`categorised` False) against every kind."""
     sig = from_stats(m.stats, m.prompt)
     kept = tuple(r for r in m.trust.reasons if r not in BASELINE_REASONS)
     dense = m.level == "dense"
