@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,15 @@ def test_the_baseline_sends_each_kind_both_ways_and_warns_when_one_is_too_small(
     small = Settings(home=home, engine=EngineSettings(baseline_requests=120))
     assert len(baseline_prompts(small)) == 120
     assert "BASELINE_REQUESTS to 396 or more" in caplog.text
+    caplog.clear()
+    large = baseline_prompts(Settings(home=home, engine=EngineSettings(baseline_requests=1000)))
+    code = len(traffic.healthy("code", home, "baseline", 1000, at_most=True))
+    assert 99 <= code < 250  # the code corpus's front half is the short one
+    assert Counter(p.kind for p in large) == {"chat": 250, "qa": 250, "code": code, "prose": 250}
+    assert f"code corpus's baseline half holds {code} prompts" in caplog.text
+    assert "BASELINE_REQUESTS to" not in caplog.text
+    with pytest.raises(ValueError, match="code prompts in the baseline half; ask for fewer"):
+        traffic.mix(("chat", "code"), home, "baseline", 500)
 
 
 @slow

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from collections.abc import Sequence
 
 from tqdm import tqdm
@@ -25,10 +26,22 @@ def baseline_prompts(settings: Settings) -> list[traffic.Prompt]:
     """The baseline half of the configured healthy kinds, every other prompt of each kind
     behind the shared system prompt."""
     cfg = settings.engine
+    kinds = tuple(cfg.baseline_kinds)
     prompts = traffic.mix(
-        tuple(cfg.baseline_kinds), settings.cache_home, "baseline", cfg.baseline_requests
+        kinds, settings.cache_home, "baseline", cfg.baseline_requests, at_most=True
     )
-    per_kind = len(prompts) // len(cfg.baseline_kinds)
+    asked = -(-cfg.baseline_requests // len(kinds))
+    counts = Counter(p.kind for p in prompts)
+    for kind in kinds:
+        if counts[kind] < asked:
+            log.warning(
+                "the %s corpus's baseline half holds %d prompts: its sample is %d, not %d",
+                kind,
+                counts[kind],
+                counts[kind],
+                asked,
+            )
+    per_kind = min(counts[kind] for kind in kinds)
     if (per_kind + 1) * settings.signals.reason_budget < 1:
         log.warning(
             "%d baseline requests a kind cannot hold a %.1f %% reason budget on each kind "

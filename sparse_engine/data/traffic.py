@@ -41,21 +41,27 @@ class Prompt:
         return [*turns, {"role": "user", "content": self.text}]
 
 
-def healthy(kind: str, home: Path, split: Split, count: int) -> list[Prompt]:
-    """`count` prompts of one healthy kind from its half of the corpus."""
+def healthy(
+    kind: str, home: Path, split: Split, count: int, *, at_most: bool = False
+) -> list[Prompt]:
+    """`count` prompts of one healthy kind from its half of the corpus (`at_most`: as many as
+    the half holds, when that is fewer)."""
     if kind not in HEALTHY_KINDS:
         raise ValueError(f"unknown traffic kind {kind!r}; choose from {', '.join(HEALTHY_KINDS)}")
     texts = _half(_SOURCES[kind](home), split)
-    if len(texts) < count:
+    if len(texts) < count and not at_most:
         raise ValueError(f"only {len(texts)} {kind} prompts in the {split} half; ask for fewer")
     return [Prompt(kind, text) for text in texts[:count]]
 
 
-def mix(kinds: tuple[str, ...], home: Path, split: Split, count: int) -> list[Prompt]:
-    """`count` prompts spread evenly over `kinds`, interleaved."""
+def mix(
+    kinds: tuple[str, ...], home: Path, split: Split, count: int, *, at_most: bool = False
+) -> list[Prompt]:
+    """`count` prompts spread evenly over `kinds`, interleaved (`at_most`: a kind whose half
+    holds fewer gives all it has, and the mix is that much shorter)."""
     per_kind = -(-count // len(kinds))
-    pools = [healthy(kind, home, split, per_kind) for kind in kinds]
-    mixed = [pool[i] for i in range(per_kind) for pool in pools]
+    pools = [healthy(kind, home, split, per_kind, at_most=at_most) for kind in kinds]
+    mixed = [pool[i] for i in range(per_kind) for pool in pools if i < len(pool)]
     return mixed[:count]
 
 
