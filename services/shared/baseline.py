@@ -35,9 +35,9 @@ def baseline_prompts(settings: Settings) -> list[traffic.Prompt]:
     for kind in kinds:
         if counts[kind] < asked:
             log.warning(
-                "the %s corpus's baseline half holds %d prompts: its sample is %d, not %d",
+                "the %s corpus's baseline half holds %d prompts, fewer than the %d asked: "
+                "its sample is all of them",
                 kind,
-                counts[kind],
                 counts[kind],
                 asked,
             )
