@@ -46,9 +46,10 @@ class EngineSettings(BaseModel):
     pack_from: int = Field(2, ge=2)
     # The baseline pass that ends every calibration: healthy prompts per level (and dense),
     # of these kinds (sparse_engine.data.traffic), answered greedily to this many tokens. A
-    # reason holds its budget on each kind when each kind has 1 / budget - 1 requests (99 at
-    # 1 %): 400 over four kinds.
-    baseline_requests: int = Field(400, ge=10)
+    # reason holds its budget on each kind on average when each kind has 1 / budget - 1
+    # requests (99 at 1 %), and with 90 % confidence from 230 (`calibration.conformal`):
+    # 920 over four kinds (the code corpus's baseline half holds 184: 84 %).
+    baseline_requests: int = Field(920, ge=10)
     baseline_max_new_tokens: int = Field(16, ge=1)
     baseline_kinds: list[str] = Field(default_factory=lambda: ["chat", "qa", "code", "prose"])
 
@@ -219,6 +220,9 @@ class SignalSettings(BaseModel):
     # where none exists): each per-request reason fires on at most this share of healthy
     # requests (a conformal p-value below it) ...
     reason_budget: float = Field(0.01, gt=0.0, lt=1.0)
+    # ... with this confidence over the draw of the baseline's sample, where each kind's
+    # sample is large enough (230 requests a kind for 1 % at 90 %); 0: on average only.
+    reason_confidence: float = Field(0.9, ge=0.0, lt=1.0)
     # ... and a window alert needs its mean beyond the baseline's tolerance by this many
     # standard errors of a mean of the window's n requests (one-sided).
     alert_z: float = Field(4.0, gt=0.0)

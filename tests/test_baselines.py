@@ -27,6 +27,7 @@ from services.telemetry.schema import (
     REASON_SILENCE_SPIKE,
 )
 from sparse_engine.calibration.baseline import LevelBaseline, SignalBaseline
+from sparse_engine.calibration.conformal import ceiling_rank, rank_confidence, sample_needed
 from sparse_engine.runtime.generation import GenerationStats
 from sparse_engine.sparsity.recorder import SignalSummary
 from sparse_engine.trust.features import RequestSignals
@@ -144,20 +145,72 @@ def test_reasons_hold_the_budget_on_every_kind_where_the_pooled_test_does_not() 
 
     kinds = ("chat", "qa", "code", "prose")
     healthy = SignalBaseline.of({k: draw(k, 100) for k in kinds})
-    assert healthy.smallest_p_every_kind() == pytest.approx(1 / 101)
     assert SignalBaseline.from_dict(healthy.to_dict()) == healthy
     fresh = draw("code", 20000)
     pooled = sum(healthy.p_above(v) <= 0.01 for v in fresh) / len(fresh)
-    per_kind = sum(healthy.p_above_every_kind(v) <= 0.01 for v in fresh) / len(fresh)
+    per_kind = sum(healthy.unusual(v, 0.01) for v in fresh) / len(fresh)
     assert pooled > 0.03  # the 4 pooled tail slots are all code's: 4 % of code
     assert per_kind <= 0.01 + 4 * math.sqrt(0.01 / 100)
     for kind in ("chat", "qa", "prose"):
         others = draw(kind, 5000)
-        assert sum(healthy.p_above_every_kind(v) <= 0.01 for v in others) / 5000 <= 0.025
-    assert healthy.p_above_every_kind(2.0) == pytest.approx(1 / 101)  # above every kind
-    # A baseline made before kinds were kept answers with the pooled p-value.
-    old = {k: v for k, v in healthy.to_dict().items() if k != "kind_values"}
-    assert SignalBaseline.from_dict(old).p_above_every_kind(0.45) == healthy.p_above(0.45)
+        assert sum(healthy.unusual(v, 0.01) for v in others) / 5000 <= 0.025
+    assert healthy.unusual(2.0, 0.01) and not healthy.unusual(0.45, 0.01)
+    # A baseline made before kinds were kept tests against the pooled sample.
+    old = SignalBaseline.from_dict(
+        {k: v for k, v in healthy.to_dict().items() if k != "kind_values"}
+    )
+    assert old.kind_values == {}
+    assert old.unusual(0.45, 0.01) == (healthy.p_above(0.45) <= 0.01)
+
+
+def test_the_ceiling_rank_holds_the_budget_with_the_confidence_asked() -> None:
+    """Firing past the k-th largest of n healthy values: the conformal rank holds 1 % on
+    average over samples only (half the samples of 400 spend more); the confidence rank
+    holds it on 90 % of samples."""
+    assert ceiling_rank(99, 0.01) == 1 and ceiling_rank(98, 0.01) == 0
+    assert ceiling_rank(400, 0.01) == 4 and ceiling_rank(400, 0.01, 0.9) == 2
+    assert ceiling_rank(100, 0.01, 0.9) == 1  # too few for 90 %: past the largest
+    assert rank_confidence(100, 0.01, 1) == pytest.approx(1 - 0.99**100)
+    assert sample_needed(0.01, 0.9) == 230
+    assert rank_confidence(230, 0.01, 1) >= 0.9 > rank_confidence(229, 0.01, 1)
+    rng = random.Random(4)
+    for confidence, most_over in ((0.0, 0.6), (0.9, 0.1)):
+        k = ceiling_rank(400, 0.01, confidence)
+        over = 0
+        for _ in range(2000):  # uniform healthy values: past a threshold t fires on 1 - t
+            ceiling = sorted(rng.random() for _ in range(400))[-k]
+            over += 1 - ceiling > 0.01
+        assert over / 2000 <= most_over + 3 * math.sqrt(most_over * (1 - most_over) / 2000)
+        if confidence == 0.0:
+            assert over / 2000 > 0.3  # the conformal rank is over budget on many samples
+
+
+def test_a_request_is_tested_against_its_own_side_of_the_system_prompt() -> None:
+    """The system prompt moves a kind's values (gate entropy, README); each request is
+    compared with the kind's sample moved to its side: the plain half as is, the system half
+    less the shift, for a plain request."""
+    rng = random.Random(11)
+    plain = [rng.uniform(0.0, 1.0) for _ in range(100)]
+    system = [rng.uniform(1.0, 2.0) for _ in range(100)]
+    healthy = SignalBaseline.of({"qa": plain + system}, {"qa": system})
+    assert healthy.system_shift["qa"] == pytest.approx(1.0, abs=0.1)
+    assert sorted(healthy.system_values["qa"]) == healthy.system_values["qa"]
+    assert len(healthy.kind_sample("qa", True)) == 200
+    assert healthy.unusual(1.2, 0.01, 0.9, system=False)  # past every plain value
+    assert not healthy.unusual(1.2, 0.01, 0.9)  # unknown side: within the system half
+    assert not healthy.unusual(1.2, 0.01, 0.9, system=True)
+    assert healthy.unusual(2.2, 0.01, 0.9, system=True)
+    assert SignalBaseline.from_dict(healthy.to_dict()) == healthy
+    old = {k: v for k, v in healthy.to_dict().items() if not k.startswith("system_")}
+    assert not SignalBaseline.from_dict(old).unusual(1.2, 0.01, 0.9, system=False)
+    sig = RequestSignals(silence_per_layer=[0.1] * 6, gate_confidence=0.5, gate_entropy=1.2)
+    level = LevelBaseline("balanced", 200, ["qa"], 16, {"gate_entropy": healthy})
+    signals = SignalSettings()
+    assert trust_reasons(sig, 1.0, signals, 0.3, baseline=level, system=False) == (
+        REASON_GATE_DEGRADED,
+    )
+    assert trust_reasons(sig, 1.0, signals, 0.3, baseline=level, system=True) == ()
+    assert level.pooled().signals["gate_entropy"].system_shift == {}
 
 
 def test_a_pooled_baseline_tests_against_every_kind_together() -> None:
@@ -167,7 +220,7 @@ def test_a_pooled_baseline_tests_against_every_kind_together() -> None:
     level = LevelBaseline(
         "balanced", 400, sorted(by_kind), 16, {"late_silence": SignalBaseline.of(by_kind)}
     )
-    between = (sorted(loud)[-3] + sorted(loud)[-2]) / 2  # in the pool's top 1 %, under code's max
+    between = (sorted(loud)[-2] + sorted(loud)[-1]) / 2  # the pool's top 0.5 %, under code's max
     sig = RequestSignals(silence_per_layer=[between] * 6, gate_confidence=0.5, gate_entropy=0.5)
     signals = SignalSettings()
     assert trust_reasons(sig, 1.0, signals, 0.3, baseline=level) == ()
@@ -222,7 +275,7 @@ def test_reasons_use_the_pooled_sample_where_a_kind_is_too_small_for_the_budget(
     signals = SignalSettings()  # 1 % budget: each kind needs 99 requests
     rng = random.Random(2)
     small = baseline_of({"late_silence": [rng.uniform(0.1, 0.2) for _ in range(120)]}, kinds=4)
-    assert small.signals["late_silence"].smallest_p_every_kind() > signals.reason_budget
+    assert len(small.signals["late_silence"].kind_values["k0"]) + 1 < 1 / signals.reason_budget
     odd = RequestSignals(silence_per_layer=[0.9] * 6, gate_confidence=0.5, gate_entropy=0.5)
     assert trust_reasons(odd, 1.0, signals, 0.3, baseline=small) == (REASON_SILENCE_SPIKE,)
 

@@ -23,7 +23,7 @@ from services.replay.replay import Calibrations, Scenario, events, replay
 from services.replay.scoring import Rate, fault_result, firings, rule_scores
 from services.replay.study import _rejudged_rates, rejudge
 from sparse_engine.calibration.baseline import summarise
-from sparse_engine.data.traffic import Prompt
+from sparse_engine.data.traffic import Prompt, half_with_system
 from sparse_engine.runtime.generation import GenerationStats
 from sparse_engine.sparsity.plan import Level
 from sparse_engine.sparsity.recorder import SignalSummary
@@ -151,10 +151,23 @@ def test_the_alert_study_answers_with_the_readout_a_trust_model_reads(tmp_path: 
     engine = tiny_engine(cache=False)
     settings = Settings(home=tmp_path)
     measurer = Measurer(settings, engine.lm, load_judge(settings, engine.lm.model_id))
-    prompts = [Prompt("chat", "Hello there."), Prompt("code", "def f(x):")]
+    prompts = [Prompt("chat", "Hello there.", "Be brief."), Prompt("code", "def f(x):")]
     measured = measurer._answer(engine, "healthy", Level.BALANCED, prompts)
     assert [m.kind for m in measured] == ["chat", "code"]
+    assert [m.system for m in measured] == [True, False]  # judged on its side of the prompt
     assert all(m.stats.readout is not None for m in measured)
+
+
+def test_the_baseline_keeps_which_requests_came_behind_a_system_prompt() -> None:
+    rng = random.Random(8)
+    answered = [request(rng, "qa", 0.95) for _ in range(20)]
+    prompts = half_with_system([Prompt(m.kind, m.prompt) for m in answered])
+    baseline = summarise(Level.BALANCED, prompts, [m.stats for m in answered], 16)
+    entropy = baseline.signals["gate_entropy"]
+    system = [m.stats.signals.gate_entropy for m in answered[::2] if m.stats.signals]
+    assert entropy.system_values["qa"] == sorted(round(v, 6) for v in system)
+    assert abs(entropy.system_shift["qa"]) < 0.01  # the made-up answers do not move
+    assert len(entropy.kind_values["qa"]) == 20
 
 
 def test_the_study_retests_the_sparse_levels_requests_against_the_pooled_sample() -> None:
@@ -175,7 +188,9 @@ def test_the_study_retests_the_sparse_levels_requests_against_the_pooled_sample(
         assert m.stats.signals is not None
         m.stats.signals.silence_rate_per_layer[:] = [(top[-1] + top[-2]) / 2] * 4
     healthy = {"balanced": quiet[:20], "dense": quiet[:5]}
-    found = _rejudged_rates(healthy, {"garbage": fault}, cals, Settings(), "pooled")
+    conformal = Settings()  # past the pool's second largest: 1 % on average, not at 90 %
+    conformal.signals.reason_confidence = 0.0
+    found = _rejudged_rates(healthy, {"garbage": fault}, cals, conformal, "pooled")
     assert set(found["healthy"]["by_level"]) == {"balanced"}  # dense has no calibration
     assert found["healthy"]["by_kind"]["chat"]["silence-spike"]["n"] == 20
     assert found["faults"]["garbage"]["silence-spike"]["hits"] == 10
@@ -207,7 +222,7 @@ def test_the_study_retests_requests_against_every_kind_whatever_their_category()
 def test_eval_reasons_reports_each_reason_per_level_with_the_prompts_it_fired_on() -> None:
     rng = random.Random(3)
     code = "def f(x):\n    y = x * 2\n    return y\n\nprint(f(3))"
-    loud = replace(request(rng, "code", 0.95), prompt=code)
+    loud = replace(request(rng, "code", 0.95), prompt=code, system=True)
     quiet = request(rng, "code", 0.95)
     spike = Trust(0.9, reasons=("silence-spike",))
     measured = {
@@ -223,7 +238,14 @@ def test_eval_reasons_reports_each_reason_per_level_with_the_prompts_it_fired_on
     }  # fmt: skip
     assert figures["rates"]["all levels"]["gate-degraded"]["hits"] == 0
     fired = figures["fired_on"]["silence-spike"]
-    assert fired == [{"prompt": code, "category": "code", "levels": ["balanced", "dense"]}]
+    assert fired == [
+        {"prompt": code, "category": "code", "system": True, "levels": ["balanced", "dense"]}
+    ]
+    sides = figures["rates_by_side"]
+    assert sides["system prompt"]["silence-spike"] | {"ci95": None} == {
+        "hits": 2, "n": 2, "share": 1.0, "ci95": None,
+    }  # fmt: skip
+    assert sides["no system prompt"]["silence-spike"]["hits"] == 0
     again = figures["rates_every_kind"]
     assert (
         again["balanced"]["silence-spike"]["n"] == 2
@@ -231,7 +253,8 @@ def test_eval_reasons_reports_each_reason_per_level_with_the_prompts_it_fired_on
     )
     assert set(again["all these levels"]) == {"silence-spike", "gate-degraded", "monotonous-input"}
     text = render_reasons(figures)
-    assert "silence-spike: 1 distinct prompts" in text and "[code; balanced,dense]" in text
+    assert "silence-spike: 1 distinct prompts" in text and "[code, system; balanced,dense]" in text
+    assert "no system prompt" in text
     assert "against every kind" in text
 
 

@@ -76,27 +76,34 @@ def reason_figures(
     every_kind: dict[str, list[Measured]] | None = None,
 ) -> dict[str, Any]:
     """Per level and over all levels, each reason's share of the requests; per reason, the
-    prompts it fired on (with their category and the levels); the same shares for
-    `every_kind`, the requests judged again against every kind."""
+    prompts it fired on (with their category, side of the system prompt and the levels); the
+    shares over all levels of the requests with and without the system prompt; the same
+    shares for `every_kind`, the requests judged again against every kind."""
     every = [m for pool in measured.values() for m in pool]
     rows = dict(measured) | {"all levels": every}
     again = every_kind or {}
     again_rows = dict(again) | {"all these levels": [m for p in again.values() for m in p]}
     fired: dict[str, dict[str, list[str]]] = {}
+    behind = {m.prompt: m.system for m in every}
     for m in every:
         for reason in m.trust.reasons:
             fired.setdefault(reason, {}).setdefault(m.prompt, []).append(m.level)
+    sides = {"system prompt": True, "no system prompt": False}
     return {
         "kind": kind,
         "prompts": len(next(iter(measured.values()), [])),
         "budget": budget,
         "rates": {row: _rates(pool, REASONS) for row, pool in rows.items()},
+        "rates_by_side": {
+            side: _rates([m for m in every if m.system is system], REASONS)
+            for side, system in sides.items()
+        },
         "rates_every_kind": {
             row: _rates(pool, BASELINE_REASONS) for row, pool in again_rows.items()
         },
         "fired_on": {
             reason: [
-                {"prompt": p, "category": prompt_category(p), "levels": lv}
+                {"prompt": p, "category": prompt_category(p), "system": behind[p], "levels": lv}
                 for p, lv in sorted(by_prompt.items(), key=lambda item: -len(item[1]))
             ]
             for reason, by_prompt in sorted(fired.items())
@@ -117,6 +124,10 @@ def render(figures: dict[str, Any]) -> str:
     for row, rates in figures["rates"].items():
         cells = "".join(f"{rate_text(rates[r]):<28}" for r in REASONS)
         lines.append(f"{row:<14}{cells}")
+    lines += ["", "All levels' requests by their side of the system prompt"]
+    for row, rates in figures["rates_by_side"].items():
+        cells = "".join(f"{rate_text(rates[r]):<28}" for r in REASONS)
+        lines.append(f"{row:<18}{cells}")
     lines += ["", "The sparse levels' requests against every kind, whatever their category"]
     for row, rates in figures["rates_every_kind"].items():
         cells = "".join(f"{rate_text(rates[r]):<28}" for r in BASELINE_REASONS)
@@ -125,5 +136,6 @@ def render(figures: dict[str, Any]) -> str:
         lines += ["", f"{reason}: {len(prompts)} distinct prompts"]
         for p in prompts:
             text = " ".join(p["prompt"].split())[:90]
-            lines.append(f"  [{p['category']}; {','.join(p['levels'])}] {text}")
+            side = "system" if p["system"] else "plain"
+            lines.append(f"  [{p['category']}, {side}; {','.join(p['levels'])}] {text}")
     return "\n".join(lines)

@@ -124,9 +124,12 @@ async def _answer(
         _proxy(rt, p, messages) if rt.settings.gateway.mode == "proxy" else _serve(rt, p, messages)
     )
     prompt = "\n".join(m["content"] for m in messages)
+    system = any(m["role"] == "system" for m in messages)
     async for item in answers:
         if isinstance(item, Answered):
-            trust = rt.trust.assess(item.stats, prompt, p.plan.is_dense, route, p.chat.user_text)
+            trust = rt.trust.assess(
+                item.stats, prompt, p.plan.is_dense, route, p.chat.user_text, system
+            )
             yield Final(item.stats, trust, item.queue_s, item.engine_s)
         else:
             yield item

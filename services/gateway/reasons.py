@@ -1,8 +1,9 @@
 """Why an answer's trust was lowered: each reason a test of one signal against the healthy
 baseline of the answer's level and calibration version, firing on at most
 `signals.reason_budget` of the healthy requests of each kind the baseline measured (the
-largest of the kinds' conformal p-values, each from that kind's sample), among the kinds of
-the request's category (code or text, told from its user text: `prompt_category`).
+kinds' own samples, each moved to the request's side of the system prompt), among the kinds
+of the request's category (code or text, told from its user text: `prompt_category`), with
+`signals.reason_confidence` over the draw of the baseline where its samples are large enough.
 Without a baseline (a calibration made before baselines existed) the published numbers in the
 signal settings apply, as before."""
 
@@ -89,24 +90,32 @@ def trust_reasons(
     baseline: LevelBaseline | None = None,
     z: float | None = None,
     category: str | None = None,
+    system: bool | None = None,
 ) -> tuple[str, ...]:
     """The reasons that lowered an answer's trust. With a `baseline`: a signal more unusual
     than `signals.reason_budget` of healthy requests. Without one: the published numbers in
     `signals` (and `z`, late-band silence in standard deviations above the level's rolling
     mean, None while that warms up). `flag_below`: the trust score's flag threshold.
     `category`: the request's (`prompt_category`); with a baseline, it is compared with the
-    kinds of that category only (None: every kind)."""
+    kinds of that category only (None: every kind). `system`: whether the request came with a
+    system prompt (it moves the gate's entropy, README); None: unknown."""
     found = []
     late = sig.late_silence(signals.late_band)
     if baseline is not None:
         kinds = baseline.kinds_of(category)
-        budget = signals.reason_budget
-        if _above(baseline, "late_silence", late, budget, kinds):
+
+        def above(signal: str, value: float) -> bool:
+            stats = baseline.get(signal)
+            return stats is not None and stats.unusual(
+                value, signals.reason_budget, signals.reason_confidence, kinds, system
+            )
+
+        if above("late_silence", late):
             found.append(REASON_SILENCE_SPIKE)
         if not is_dense:  # a dense pass has no sparsifier whose gate could degrade
-            if _above(baseline, "gate_entropy", sig.gate_entropy, budget, kinds):
+            if above("gate_entropy", sig.gate_entropy):
                 found.append(REASON_GATE_DEGRADED)
-            if _above(baseline, "gate_confidence", sig.gate_confidence, budget, kinds):
+            if above("gate_confidence", sig.gate_confidence):
                 found.append(REASON_MONOTONOUS_INPUT)
     else:
         if late > signals.spike_silence or (z is not None and z > signals.spike_z):
@@ -119,17 +128,3 @@ def trust_reasons(
     if score < flag_below:
         found.append(REASON_LOW_SCORE)
     return tuple(found)
-
-
-def _above(
-    baseline: LevelBaseline, signal: str, value: float, budget: float, kinds: list[str] | None
-) -> bool:
-    """Unusual for every healthy kind of `kinds` (None: all the baseline measured), each kind
-    within the budget; where one of their samples is too small to spend the budget, against
-    the pooled sample."""
-    stats = baseline.get(signal)
-    if stats is None:
-        return False
-    if stats.smallest_p_every_kind(kinds) <= budget:
-        return stats.p_above_every_kind(value, kinds) <= budget
-    return stats.p_above(value) <= budget

@@ -117,12 +117,13 @@ class TrustJudge:
         is_dense: bool,
         route: str | None = None,
         user_text: str | None = None,
+        system: bool | None = None,
     ) -> Trust:
         """`route`: the path of a request's first answer; a route with its own models
         (`route_modes`) is scored by them, and one with its own threshold (`act_below`) judges
         the score by it instead of the healthy-chat flag threshold. `user_text`: the user's
         turns, which tell the request's category for the baseline tests (default: the whole
-        `prompt_text`)."""
+        `prompt_text`). `system`: whether a system prompt came with it (None: unknown)."""
         sig = from_stats(stats, prompt_text)
         late = sig.late_silence(self.signals.late_band)
         own_models = self.routes.get(route) if route is not None else None
@@ -137,7 +138,7 @@ class TrustJudge:
         flag_below = own if own is not None else self.flag_below(model, healthy, stats.level)
         category = prompt_category(prompt_text if user_text is None else user_text)
         reasons = trust_reasons(
-            sig, score, self.signals, flag_below, is_dense, healthy, z, category
+            sig, score, self.signals, flag_below, is_dense, healthy, z, category, system
         )
         if stats.signals is not None:
             self.baseline.update(stats.level, late)

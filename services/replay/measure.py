@@ -47,6 +47,7 @@ class Measured:
     level: str
     stats: GenerationStats
     trust: Trust
+    system: bool = False  # sent behind a system prompt
 
 
 @contextmanager
@@ -135,9 +136,18 @@ class Measurer:
             engine, level, prompts, self.tokens, progress=self.progress, readout=True
         )
         return [
-            Measured(condition, p.kind, p.text, level.value, s, self._judge(s, p, level))
+            Measured(
+                condition,
+                p.kind,
+                p.text,
+                level.value,
+                s,
+                self._judge(s, p, level),
+                p.system is not None,
+            )
             for p, s in zip(prompts, answers, strict=True)
         ]
 
     def _judge(self, stats: GenerationStats, prompt: traffic.Prompt, level: Level) -> Trust:
-        return self.judge.assess(stats, prompt.text, is_dense=level is Level.DENSE)
+        dense = level is Level.DENSE
+        return self.judge.assess(stats, prompt.text, dense, system=prompt.system is not None)

@@ -184,7 +184,9 @@ def rejudge(
     kept = tuple(r for r in m.trust.reasons if r not in BASELINE_REASONS)
     dense = m.level == "dense"
     category = prompt_category(m.prompt) if categorised else None
-    found = trust_reasons(sig, 1.0, settings.signals, 0.0, dense, baseline, category=category)
+    found = trust_reasons(
+        sig, 1.0, settings.signals, 0.0, dense, baseline, category=category, system=m.system
+    )
     reasons = tuple(r for r in found if r in BASELINE_REASONS) + kept
     return replace(m, trust=replace(m.trust, reasons=reasons))
 

@@ -14,6 +14,7 @@ from tqdm import tqdm
 from services.config import Settings
 from services.shared.engine import build_engine
 from sparse_engine.calibration.baseline import LevelBaseline, run_prompts, summarise
+from sparse_engine.calibration.conformal import rank_confidence, sample_needed
 from sparse_engine.calibration.store import Calibration
 from sparse_engine.data import traffic
 from sparse_engine.model.loader import LoadedModel
@@ -42,14 +43,25 @@ def baseline_prompts(settings: Settings) -> list[traffic.Prompt]:
                 asked,
             )
     per_kind = min(counts[kind] for kind in kinds)
-    if (per_kind + 1) * settings.signals.reason_budget < 1:
+    budget, confidence = settings.signals.reason_budget, settings.signals.reason_confidence
+    if (per_kind + 1) * budget < 1:
         log.warning(
             "%d baseline requests a kind cannot hold a %.1f %% reason budget on each kind "
             "(the reasons fall back to the pooled sample): set "
             "SPARSEGUARD_ENGINE__BASELINE_REQUESTS to %d or more",
             per_kind,
-            100 * settings.signals.reason_budget,
-            len(cfg.baseline_kinds) * (math.ceil(1 / settings.signals.reason_budget) - 1),
+            100 * budget,
+            len(kinds) * (math.ceil(1 / budget) - 1),
+        )
+    elif per_kind < sample_needed(budget, confidence):
+        log.warning(
+            "%d baseline requests a kind hold the %.1f %% reason budget on average, and with "
+            "%.0f %% confidence (%.0f %% asked: SPARSEGUARD_ENGINE__BASELINE_REQUESTS=%d)",
+            per_kind,
+            100 * budget,
+            100 * rank_confidence(per_kind, budget, 1),
+            100 * confidence,
+            len(kinds) * sample_needed(budget, confidence),
         )
     return traffic.half_with_system(prompts)
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from sparse_engine.calibration.conformal import ceiling_rank
 from sparse_engine.data.traffic import Prompt
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.runtime.generation import GenerationRequest, GenerationStats
@@ -54,10 +55,21 @@ class SignalBaseline:
     quantiles: list[float]
     values: list[float]  # the sorted sample
     kind_values: dict[str, list[float]] = field(default_factory=dict)  # each kind's, sorted
+    # Each kind's values from requests behind a system prompt (a subset of its kind_values),
+    # and how far the system prompt moves the kind (system - plain, Hodges-Lehmann).
+    system_values: dict[str, list[float]] = field(default_factory=dict)
+    system_shift: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, by_kind: dict[str, list[float]]) -> SignalBaseline:
+    def of(
+        cls, by_kind: dict[str, list[float]], system: dict[str, list[float]] | None = None
+    ) -> SignalBaseline:
+        """`by_kind`: each kind's values; `system`: those of them (by kind) measured behind
+        a system prompt."""
         kind_values = {k: sorted(round(v, 6) for v in vs) for k, vs in by_kind.items() if vs}
+        system_values = {
+            k: sorted(round(v, 6) for v in vs) for k, vs in (system or {}).items() if vs
+        }
         values = sorted(v for vs in kind_values.values() for v in vs)
         if not values:
             raise ValueError("a signal baseline needs at least one value")
@@ -75,6 +87,12 @@ class SignalBaseline:
             quantiles=[_quantile(values, i / QUANTILES) for i in range(QUANTILES + 1)],
             values=values,
             kind_values=kind_values,
+            system_values=system_values,
+            system_shift={
+                k: _shift(plain, system_values[k])
+                for k, vs in kind_values.items()
+                if k in system_values and (plain := _without(vs, system_values[k]))
+            },
         )
 
     def p_above(self, value: float) -> float:
@@ -82,25 +100,42 @@ class SignalBaseline:
         On healthy traffic exchangeable with the sample, P(p <= a) <= a for every a."""
         return _p_above(self.values, value)
 
-    def p_above_every_kind(self, value: float, kinds: Collection[str] | None = None) -> float:
-        """The largest of the kinds' own p-values: `value` is this unusual for every kind of
-        healthy traffic (of `kinds`, default all). A request of any one kind exchangeable with
-        that kind's sample gets P(p <= a) <= a, so no kind fires more than the budget; the
-        pooled p-value keeps it on the mix only (late silence fired on 10 % of Qwen's code at
-        1 %, README). A baseline made before per-kind samples were kept: the pooled p-value."""
-        samples = self._samples(kinds)
-        if not samples:
-            return self.p_above(value)
-        return max(_p_above(vs, value) for vs in samples)
+    def unusual(
+        self,
+        value: float,
+        budget: float,
+        confidence: float = 0.0,
+        kinds: Collection[str] | None = None,
+        system: bool | None = None,
+    ) -> bool:
+        """`value` is more unusual than `budget` of healthy requests of every kind (of
+        `kinds`, default all), each kind's sample moved to the request's side of the system
+        prompt (`system`; None: as measured). A request of any one kind exchangeable with its
+        sample fires with probability at most `budget`, and with `confidence` over the draw
+        of the sample where the sample is large enough (`ceiling_rank`); the pooled sample
+        alone held it on the mix only (late silence fired on 10 % of Qwen's code at 1 %,
+        README). Where a kind's sample is too small to spend the budget, or the baseline
+        predates per-kind samples, the pooled sample."""
+        samples = [self.kind_sample(k, system) for k in self.kind_values if not kinds or k in kinds]
+        if not samples or min(len(vs) for vs in samples) + 1 < 1 / budget:
+            samples = [self.values]
+        return all(
+            len(vs) - bisect.bisect_left(vs, value) < ceiling_rank(len(vs), budget, confidence)
+            for vs in samples
+        )
 
-    def smallest_p_every_kind(self, kinds: Collection[str] | None = None) -> float:
-        """The smallest p-value `p_above_every_kind` can give: 1 / (n + 1) of the smallest
-        kind. A budget below it can never be spent (a kind needs 99 requests for 1 %)."""
-        sizes = [len(vs) for vs in self._samples(kinds)] or [self.n]
-        return 1 / (min(sizes) + 1)
-
-    def _samples(self, kinds: Collection[str] | None) -> list[list[float]]:
-        return [vs for k, vs in self.kind_values.items() if kinds is None or k in kinds]
+    def kind_sample(self, kind: str, system: bool | None = None) -> list[float]:
+        """`kind`'s sorted sample as a request with (`system` True) or without a system
+        prompt would have measured it: the other side's values moved by the kind's shift."""
+        shift = self.system_shift.get(kind)
+        values = self.kind_values[kind]
+        if system is None or shift is None:
+            return values
+        with_system = self.system_values[kind]
+        plain = _without(values, with_system)
+        if system:
+            return sorted([*with_system, *(v + shift for v in plain)])
+        return sorted([*plain, *(v - shift for v in with_system)])
 
     def p_below(self, value: float) -> float:
         at_most = bisect.bisect_right(self.values, value)
@@ -140,7 +175,10 @@ class LevelBaseline:
     def pooled(self) -> LevelBaseline:
         """The same baseline without the kinds' own samples: its reasons test against the
         pooled sample (as before per-kind tests; the alert study compares the two)."""
-        signals = {k: replace(v, kind_values={}) for k, v in self.signals.items()}
+        signals = {
+            k: replace(v, kind_values={}, system_values={}, system_shift={})
+            for k, v in self.signals.items()
+        }
         return replace(self, signals=signals)
 
     def to_dict(self) -> dict[str, Any]:
@@ -221,11 +259,14 @@ def summarise(
 ) -> LevelBaseline:
     """The baseline of `answers` (one per prompt, in order)."""
     by_signal: dict[str, dict[str, list[float]]] = {}
+    system: dict[str, dict[str, list[float]]] = {}
     silence: list[dict[str, list[float]]] = []
     sparsity: list[dict[str, list[float]]] = []
     for prompt, stats in zip(prompts, answers, strict=True):
         for name, value in request_values(stats, late_band).items():
             by_signal.setdefault(name, {}).setdefault(prompt.kind, []).append(value)
+            if prompt.system:
+                system.setdefault(name, {}).setdefault(prompt.kind, []).append(value)
         if stats.signals is not None:
             _add_layers(silence, prompt.kind, stats.signals.silence_rate_per_layer)
             _add_layers(sparsity, prompt.kind, stats.signals.sparsity_per_layer)
@@ -235,7 +276,11 @@ def summarise(
         requests=len(answers),
         kinds=kinds,
         max_new_tokens=max_new_tokens,
-        signals={name: SignalBaseline.of(by_signal[name]) for name in SIGNALS if name in by_signal},
+        signals={
+            name: SignalBaseline.of(by_signal[name], system.get(name))
+            for name in SIGNALS
+            if name in by_signal
+        },
         silence_per_layer=[SignalBaseline.of(layer) for layer in silence],
         sparsity_per_layer=[SignalBaseline.of(layer) for layer in sparsity],
         categories=kind_categories(prompts),
@@ -255,6 +300,23 @@ def _add_layers(into: list[dict[str, list[float]]], kind: str, values: Sequence[
         into.append({})
     for layer, value in enumerate(values):
         into[layer].setdefault(kind, []).append(value)
+
+
+def _shift(plain: Sequence[float], system: Sequence[float]) -> float:
+    """Hodges-Lehmann: the median of every system - plain difference."""
+    return statistics.median(s - p for s in system for p in plain)
+
+
+def _without(values: Sequence[float], some: Sequence[float]) -> list[float]:
+    """`values` less the multiset `some` (sorted stays sorted)."""
+    left = Counter(some)
+    kept = []
+    for v in values:
+        if left[v]:
+            left[v] -= 1
+        else:
+            kept.append(v)
+    return kept
 
 
 def _p_above(ordered: Sequence[float], value: float) -> float:

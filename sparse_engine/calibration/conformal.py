@@ -1,0 +1,43 @@
+"""How sure a threshold from a finite healthy sample is to hold its false-alarm budget: which
+order statistic of the sample to fire past, and with what confidence over the draw of the
+sample (the conformal p-value holds a budget on average over samples only)."""
+
+from __future__ import annotations
+
+import math
+
+
+def ceiling_rank(n: int, budget: float, confidence: float = 0.0) -> int:
+    """How few of `n` healthy values a value must reach for it to be unusual: it fires when
+    fewer than k of them are at or above it. The conformal rule takes k = floor(budget (n+1))
+    (at most `budget` false alarms on average over samples); this takes the largest k up to
+    that for which one sample's false-alarm rate is at most `budget` with `confidence`. That
+    rate, past the k-th largest of n, is Beta(k, n + 1 - k): P(rate <= budget) =
+    P(Binomial(n, budget) >= k). Where even k = 1 (past the largest) cannot reach the
+    confidence (n < log(1 - confidence) / log(1 - budget): 230 for 1 % at 90 %), k is 1 and
+    the budget holds on average only (`rank_confidence` says how sure). 0: never (n too few
+    to spend the budget at all). `confidence` 0: the conformal rule."""
+    k = math.floor(budget * (n + 1) + 1e-9)
+    while k > 1 and rank_confidence(n, budget, k) < confidence:
+        k -= 1
+    return k
+
+
+def rank_confidence(n: int, budget: float, k: int) -> float:
+    """P(Binomial(n, budget) >= k): how sure it is that firing past the k-th largest of `n`
+    healthy values fires on at most `budget` of healthy requests."""
+    if k <= 0:
+        return 1.0
+    below = sum(
+        math.exp(
+            math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1)
+            + i * math.log(budget) + (n - i) * math.log1p(-budget)
+        )
+        for i in range(min(k, n + 1))
+    )  # fmt: skip
+    return max(0.0, 1.0 - below)
+
+
+def sample_needed(budget: float, confidence: float) -> int:
+    """The smallest sample whose largest value holds `budget` with `confidence`."""
+    return math.ceil(math.log1p(-confidence) / math.log1p(-budget) - 1e-9)
