@@ -170,6 +170,25 @@ def test_the_baseline_keeps_which_requests_came_behind_a_system_prompt() -> None
     assert len(entropy.kind_values["qa"]) == 20
 
 
+def test_a_plain_request_is_judged_on_its_side_unless_told_otherwise() -> None:
+    """The system prompt raises this made-up kind's gate entropy by 0.03: a plain request
+    above every plain baseline request but within the system half is unusual on its side."""
+    rng = random.Random(9)
+    answered = [request(rng, "qa", 0.95) for _ in range(200)]
+    prompts = half_with_system([Prompt(m.kind, m.prompt) for m in answered])
+    for p, m in zip(prompts, answered, strict=True):
+        if p.system and m.stats.signals:
+            m.stats.signals.gate_entropy += 0.03
+    baseline = summarise(Level.BALANCED, prompts, [m.stats for m in answered], 16)
+    odd = request(rng, "qa", 0.95)
+    assert odd.stats.signals is not None
+    odd.stats.signals.gate_entropy = 0.995
+    assert "gate-degraded" in rejudge(odd, baseline, Settings()).trust.reasons
+    assert "gate-degraded" not in rejudge(odd, baseline, Settings(), sided=False).trust.reasons
+    behind = replace(odd, system=True)
+    assert "gate-degraded" not in rejudge(behind, baseline, Settings()).trust.reasons
+
+
 def test_the_study_retests_the_sparse_levels_requests_against_the_pooled_sample() -> None:
     """`reasons_pooled`: the same requests judged against the baseline without its kinds'
     samples. A fault between the quiet kind's values and the loud kind's top is unusual for
@@ -246,6 +265,7 @@ def test_eval_reasons_reports_each_reason_per_level_with_the_prompts_it_fired_on
         "hits": 2, "n": 2, "share": 1.0, "ci95": None,
     }  # fmt: skip
     assert sides["no system prompt"]["silence-spike"]["hits"] == 0
+    assert figures["rates_by_side_unsided"]["system prompt"]["silence-spike"]["n"] == 0
     again = figures["rates_every_kind"]
     assert (
         again["balanced"]["silence-spike"]["n"] == 2
@@ -254,7 +274,7 @@ def test_eval_reasons_reports_each_reason_per_level_with_the_prompts_it_fired_on
     assert set(again["all these levels"]) == {"silence-spike", "gate-degraded", "monotonous-input"}
     text = render_reasons(figures)
     assert "silence-spike: 1 distinct prompts" in text and "[code, system; balanced,dense]" in text
-    assert "no system prompt" in text
+    assert "no system prompt" in text and "judged whatever their side" in text
     assert "against every kind" in text
 
 

@@ -61,7 +61,14 @@ def run_eval_reasons(args: argparse.Namespace, settings: Settings) -> int:
         for level, pool in measured.items()
         if level in baselines
     }
-    figures = reason_figures(args.kind, measured, settings.signals.reason_budget, every_kind)
+    unsided = {  # the same, against the kinds' samples as measured, whatever their side
+        level: [rejudge(m, baselines[level], settings, sided=False) for m in pool]
+        for level, pool in measured.items()
+        if level in baselines
+    }
+    figures = reason_figures(
+        args.kind, measured, settings.signals.reason_budget, every_kind, unsided
+    )
     if args.json:
         emit_json(figures)
     else:
@@ -74,11 +81,13 @@ def reason_figures(
     measured: dict[str, list[Measured]],
     budget: float,
     every_kind: dict[str, list[Measured]] | None = None,
+    unsided: dict[str, list[Measured]] | None = None,
 ) -> dict[str, Any]:
     """Per level and over all levels, each reason's share of the requests; per reason, the
     prompts it fired on (with their category, side of the system prompt and the levels); the
     shares over all levels of the requests with and without the system prompt; the same
-    shares for `every_kind`, the requests judged again against every kind."""
+    shares for `every_kind`, the requests judged again against every kind, and by side for
+    `unsided`, judged again whatever their side."""
     every = [m for pool in measured.values() for m in pool]
     rows = dict(measured) | {"all levels": every}
     again = every_kind or {}
@@ -89,6 +98,7 @@ def reason_figures(
         for reason in m.trust.reasons:
             fired.setdefault(reason, {}).setdefault(m.prompt, []).append(m.level)
     sides = {"system prompt": True, "no system prompt": False}
+    again_unsided = [m for pool in (unsided or {}).values() for m in pool]
     return {
         "kind": kind,
         "prompts": len(next(iter(measured.values()), [])),
@@ -96,6 +106,10 @@ def reason_figures(
         "rates": {row: _rates(pool, REASONS) for row, pool in rows.items()},
         "rates_by_side": {
             side: _rates([m for m in every if m.system is system], REASONS)
+            for side, system in sides.items()
+        },
+        "rates_by_side_unsided": {
+            side: _rates([m for m in again_unsided if m.system is system], BASELINE_REASONS)
             for side, system in sides.items()
         },
         "rates_every_kind": {
@@ -127,6 +141,10 @@ def render(figures: dict[str, Any]) -> str:
     lines += ["", "All levels' requests by their side of the system prompt"]
     for row, rates in figures["rates_by_side"].items():
         cells = "".join(f"{rate_text(rates[r]):<28}" for r in REASONS)
+        lines.append(f"{row:<18}{cells}")
+    lines += ["", "The sparse levels' requests by side, judged whatever their side"]
+    for row, rates in figures["rates_by_side_unsided"].items():
+        cells = "".join(f"{rate_text(rates[r]):<28}" for r in BASELINE_REASONS)
         lines.append(f"{row:<18}{cells}")
     lines += ["", "The sparse levels' requests against every kind, whatever their category"]
     for row, rates in figures["rates_every_kind"].items():

@@ -176,17 +176,23 @@ def _prompt(m: Measured) -> Prompt:
 
 
 def rejudge(
-    m: Measured, baseline: LevelBaseline, settings: Settings, categorised: bool = True
+    m: Measured,
+    baseline: LevelBaseline,
+    settings: Settings,
+    categorised: bool = True,
+    sided: bool = True,
 ) -> Measured:
     """`m` with its baseline reasons judged again against `baseline`: against the kinds of its
-    category, or (`categorised` False) against every kind."""
+    category, or (`categorised` False) against every kind; on its side of the system prompt,
+    or (`sided` False) against the kinds' samples as measured."""
     sig = from_stats(m.stats, m.prompt)
     kept = tuple(r for r in m.trust.reasons if r not in BASELINE_REASONS)
     dense = m.level == "dense"
     category = prompt_category(m.prompt) if categorised else None
     found = trust_reasons(
-        sig, 1.0, settings.signals, 0.0, dense, baseline, category=category, system=m.system
-    )
+        sig, 1.0, settings.signals, 0.0, dense, baseline, category=category,
+        system=m.system if sided else None,
+    )  # fmt: skip
     reasons = tuple(r for r in found if r in BASELINE_REASONS) + kept
     return replace(m, trust=replace(m.trust, reasons=reasons))
 
