@@ -96,6 +96,12 @@ def test_prompt_category_finds_code_in_the_code_kind_and_nowhere_else(home: Path
             prompts = traffic.healthy(kind, home, split, 40)
             assert sum(prompt_category(p.text) == CODE for p in prompts) <= 2, kind
     assert not any(prompt_category(p.text) == CODE for p in traffic.garbage(80))
+    # The code corpus's number table, two long lines a window: machine data, so code.
+    held_out = traffic.healthy("code", home, "evaluation", 400, at_most=True)
+    tables = [p.text for p in held_out if p.text.count(".0") > 20 and "{" not in p.text]
+    assert len(tables) >= 10 and all(prompt_category(t) == CODE for t in tables)
+    assert prompt_category("What is 12 + 30?") == TEXT  # a few digits: still text
+    assert prompt_category("Add these: " + " ".join(str(n) for n in range(100))) == CODE
     full = baseline_prompts(Settings(home=home))
     assert kind_categories(full) == {"chat": TEXT, "qa": TEXT, "code": CODE, "prose": TEXT}
 

@@ -65,15 +65,18 @@ _CODE_SYMBOLS = frozenset("{}()[];=<>_#\\*|&")
 
 def prompt_category(text: str) -> str:
     """`code` for text laid out as code: mostly ASCII, at least 4 non-blank lines, and either
-    3 % of its visible characters code symbols or a fifth of its lines indented; else `text`.
-    On the packaged traffic: 85-89 % of code prompts (the rest are READMEs and articles),
-    2-3 % of chat and summary prompts, no QA, prose or garbage prompt, 1 of 80 multilingual
-    ones (README, "Healthy baselines")."""
+    3 % of its visible characters code symbols or a fifth of its lines indented; or for
+    machine data, at least 40 visible characters, half of them digits (a window of a number
+    table, laid out on two long lines); else `text`. On the packaged traffic: 85-89 % of code
+    prompts (the rest are READMEs and articles), 2-3 % of chat and summary prompts, no QA,
+    prose or garbage prompt, 1 of 80 multilingual ones (README, "Healthy baselines")."""
     visible = [c for c in text if not c.isspace()]
     lines = [line for line in text.split("\n") if line.strip()]
-    if not visible or len(lines) < 4:
+    if not visible or sum(c.isascii() for c in visible) < 0.9 * len(visible):
         return TEXT
-    if sum(c.isascii() for c in visible) < 0.9 * len(visible):
+    if len(visible) >= 40 and sum(c.isdigit() for c in visible) >= 0.5 * len(visible):
+        return CODE
+    if len(lines) < 4:
         return TEXT
     symbols = sum(c in _CODE_SYMBOLS for c in visible) / len(visible)
     indented = sum(line.startswith(("  ", "\t")) for line in lines) / len(lines)
