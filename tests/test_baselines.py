@@ -27,7 +27,7 @@ from services.telemetry.schema import (
     REASON_SILENCE_SPIKE,
 )
 from sparse_engine.calibration.baseline import LevelBaseline, SignalBaseline
-from sparse_engine.calibration.conformal import ceiling_rank, rank_confidence, sample_needed
+from sparse_engine.conformal import binomial_tail, ceiling_rank, sample_needed
 from sparse_engine.runtime.generation import GenerationStats
 from sparse_engine.sparsity.recorder import SignalSummary
 from sparse_engine.trust.features import RequestSignals
@@ -170,9 +170,9 @@ def test_the_ceiling_rank_holds_the_budget_with_the_confidence_asked() -> None:
     assert ceiling_rank(99, 0.01) == 1 and ceiling_rank(98, 0.01) == 0
     assert ceiling_rank(400, 0.01) == 4 and ceiling_rank(400, 0.01, 0.9) == 2
     assert ceiling_rank(100, 0.01, 0.9) == 1  # too few for 90 %: past the largest
-    assert rank_confidence(100, 0.01, 1) == pytest.approx(1 - 0.99**100)
+    assert binomial_tail(100, 0.01, 1) == pytest.approx(1 - 0.99**100)
     assert sample_needed(0.01, 0.9) == 230
-    assert rank_confidence(230, 0.01, 1) >= 0.9 > rank_confidence(229, 0.01, 1)
+    assert binomial_tail(230, 0.01, 1) >= 0.9 > binomial_tail(229, 0.01, 1)
     rng = random.Random(4)
     for confidence, most_over in ((0.0, 0.6), (0.9, 0.1)):
         k = ceiling_rank(400, 0.01, confidence)

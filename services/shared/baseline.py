@@ -14,8 +14,8 @@ from tqdm import tqdm
 from services.config import Settings
 from services.shared.engine import build_engine
 from sparse_engine.calibration.baseline import LevelBaseline, run_prompts, summarise
-from sparse_engine.calibration.conformal import rank_confidence, sample_needed
 from sparse_engine.calibration.store import Calibration
+from sparse_engine.conformal import binomial_tail, sample_needed
 from sparse_engine.data import traffic
 from sparse_engine.model.loader import LoadedModel
 from sparse_engine.sparsity.plan import Level
@@ -59,7 +59,7 @@ def baseline_prompts(settings: Settings) -> list[traffic.Prompt]:
             "%.0f %% confidence (%.0f %% asked: SPARSEGUARD_ENGINE__BASELINE_REQUESTS=%d)",
             per_kind,
             100 * budget,
-            100 * rank_confidence(per_kind, budget, 1),
+            100 * binomial_tail(per_kind, budget, 1),
             100 * confidence,
             len(kinds) * sample_needed(budget, confidence),
         )

@@ -9,6 +9,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 
+from sparse_engine.conformal import binomial_tail
 from sparse_engine.data.traffic import Prompt
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.runtime.generation import GenerationRequest
@@ -83,28 +84,9 @@ def tolerance_floor(scores: Sequence[float], budget: float, confidence: float) -
     under the k-th smallest of n is Beta(k, n + 1 - k). -inf when the sample is too small."""
     ordered = sorted(scores)
     n, k = len(ordered), 0
-    while k < n and _binomial_tail(n, budget, k + 1) >= confidence:
+    while k < n and binomial_tail(n, budget, k + 1) >= confidence:
         k += 1
     return -math.inf if k == 0 else ordered[k - 1]
-
-
-def _binomial_tail(n: int, p: float, k: int) -> float:
-    """P(Binomial(n, p) >= k), summed in log space (no overflow for large n)."""
-    if p <= 0.0:
-        return 1.0 if k <= 0 else 0.0
-    if p >= 1.0:
-        return 1.0 if k <= n else 0.0
-
-    def log_term(i: int) -> float:
-        return (
-            math.lgamma(n + 1)
-            - math.lgamma(i + 1)
-            - math.lgamma(n - i + 1)
-            + i * math.log(p)
-            + (n - i) * math.log1p(-p)
-        )
-
-    return sum(math.exp(log_term(i)) for i in range(max(k, 0), n + 1))
 
 
 def set_flag_threshold(

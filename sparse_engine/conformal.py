@@ -15,27 +15,32 @@ def ceiling_rank(n: int, budget: float, confidence: float = 0.0) -> int:
     rate, past the k-th largest of n, is Beta(k, n + 1 - k): P(rate <= budget) =
     P(Binomial(n, budget) >= k). Where even k = 1 (past the largest) cannot reach the
     confidence (n < log(1 - confidence) / log(1 - budget): 230 for 1 % at 90 %), k is 1 and
-    the budget holds on average only (`rank_confidence` says how sure). 0: never (n too few
+    the budget holds on average only (`binomial_tail` says how sure). 0: never (n too few
     to spend the budget at all). `confidence` 0: the conformal rule."""
     k = math.floor(budget * (n + 1) + 1e-9)
-    while k > 1 and rank_confidence(n, budget, k) < confidence:
+    while k > 1 and binomial_tail(n, budget, k) < confidence:
         k -= 1
     return k
 
 
-def rank_confidence(n: int, budget: float, k: int) -> float:
-    """P(Binomial(n, budget) >= k): how sure it is that firing past the k-th largest of `n`
-    healthy values fires on at most `budget` of healthy requests."""
-    if k <= 0:
-        return 1.0
-    below = sum(
-        math.exp(
-            math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1)
-            + i * math.log(budget) + (n - i) * math.log1p(-budget)
+def binomial_tail(n: int, p: float, k: int) -> float:
+    """P(Binomial(n, p) >= k), summed in log space (no overflow for large n): how sure it is
+    that firing past the k-th largest of `n` healthy values fires on at most `p` of them."""
+    if p <= 0.0:
+        return 1.0 if k <= 0 else 0.0
+    if p >= 1.0:
+        return 1.0 if k <= n else 0.0
+
+    def log_term(i: int) -> float:
+        return (
+            math.lgamma(n + 1)
+            - math.lgamma(i + 1)
+            - math.lgamma(n - i + 1)
+            + i * math.log(p)
+            + (n - i) * math.log1p(-p)
         )
-        for i in range(min(k, n + 1))
-    )  # fmt: skip
-    return max(0.0, 1.0 - below)
+
+    return sum(math.exp(log_term(i)) for i in range(max(k, 0), n + 1))
 
 
 def sample_needed(budget: float, confidence: float) -> int:
