@@ -393,3 +393,19 @@ def test_the_rule_score_flags_within_the_budget_of_the_baselines_late_silence() 
     assert 1 - 0.90 < floor < 1 - 0.89  # only the top ~5 % of healthy silence is flagged
     no_baseline = judge.flag_below(None, None, "balanced")
     assert no_baseline == TrustSettings().min_score  # no baseline: the fallback
+    # Each kind of the request's category at its budget: code's louder late layers set code's
+    # threshold, the quiet kinds' theirs (the pooled threshold flagged code alone).
+    rng = random.Random(12)
+    by_kind = {"code": [rng.uniform(0.5, 0.9) for _ in range(100)]}
+    by_kind |= {k: [rng.uniform(0.1, 0.3) for _ in range(100)] for k in ("a", "b")}
+    level = LevelBaseline("balanced", 300, sorted(by_kind), 16,
+                          {"late_silence": SignalBaseline.of(by_kind)})  # fmt: skip
+    pooled = judge.flag_below(None, level.pooled(), "balanced")
+    code = judge.flag_below(None, level, "balanced", ["code"])
+    text = judge.flag_below(None, level, "balanced", ["a", "b"])
+    assert judge.flag_below(None, level, "balanced") == code  # every kind: the loudest's
+    assert 1 - 0.3 < text < 1 - 0.28 and 1 - 0.9 < code < 1 - 0.86
+    fresh_code = [rng.uniform(0.5, 0.9) for _ in range(4000)]
+    share = sum(1 - v < code for v in fresh_code) / 4000
+    assert share <= 0.05 + 3 * math.sqrt(0.05 / 100)
+    assert sum(1 - v < pooled for v in fresh_code) / 4000 > 2 * share  # the pool's 5 %: code's

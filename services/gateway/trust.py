@@ -134,9 +134,13 @@ class TrustJudge:
         score = self._score(model, sig)
         z = self.baseline.z(stats.level, late)
         healthy = self.book.lookup(stats.calibration_version, stats.level)
-        own = self.cfg.act_below.get(route) if route is not None else None
-        flag_below = own if own is not None else self.flag_below(model, healthy, stats.level)
         category = prompt_category(prompt_text if user_text is None else user_text)
+        own = self.cfg.act_below.get(route) if route is not None else None
+        if own is not None:
+            flag_below = own
+        else:
+            kinds = healthy.kinds_of(category) if healthy is not None else None
+            flag_below = self.flag_below(model, healthy, stats.level, kinds, system)
         reasons = trust_reasons(
             sig, score, self.signals, flag_below, is_dense, healthy, z, category, system
         )
@@ -147,17 +151,29 @@ class TrustJudge:
         return Trust(round(score, 4), reasons, low, action, late)
 
     def flag_below(
-        self, model: TrustModel | None, healthy: LevelBaseline | None, level: str
+        self,
+        model: TrustModel | None,
+        healthy: LevelBaseline | None,
+        level: str,
+        kinds: list[str] | None = None,
+        system: bool | None = None,
     ) -> float:
         """The model's healthy-traffic threshold at `level` (flag budget). Without a model the
         score is 1 - late-band silence, so the same budget applies to the baseline's late-band
-        silence; else the fixed minimum score."""
+        silence, on each of `kinds` (default all; each on the request's `system` side) as the
+        reasons test it: the pooled sample flagged the kind with the quietest late layers
+        (9-23 % of code, README). Else the fixed minimum score."""
         if model is not None:
             return model.flag_thresholds.get(level, self.cfg.min_score)
         late = healthy.get("late_silence") if healthy is not None else None
         if late is None:
             return self.cfg.min_score
-        return 1.0 - conformal_ceiling(late.values, self.cfg.flag_budget)
+        budget = self.cfg.flag_budget
+        samples = [late.kind_sample(k, system) for k in late.kind_values if not kinds or k in kinds]
+        ceilings = [conformal_ceiling(vs, budget) for vs in samples]
+        if not ceilings or any(math.isinf(c) for c in ceilings):  # a kind too small: pooled
+            ceilings = [conformal_ceiling(late.values, budget)]
+        return 1.0 - max(ceilings)
 
     def _score(self, model: TrustModel | None, sig: RequestSignals) -> float:
         if model is None:
