@@ -47,7 +47,7 @@ class EngineSettings(BaseModel):
     # The baseline pass that ends every calibration: healthy prompts per level (and dense),
     # of these kinds (sparse_engine.data.traffic), answered greedily to this many tokens. A
     # reason holds its budget on each kind on average when each kind has 1 / budget - 1
-    # requests (99 at 1 %), and with 90 % confidence from 230 (`sparse_engine.conformal`):
+    # requests (99 at 1 %), and with 90 % confidence from 230 (`calibration.conformal`):
     # 920 over four kinds (the code corpus's baseline half holds 184: 84 %).
     baseline_requests: int = Field(920, ge=10)
     baseline_max_new_tokens: int = Field(16, ge=1)

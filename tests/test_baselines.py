@@ -27,7 +27,7 @@ from services.telemetry.schema import (
     REASON_SILENCE_SPIKE,
 )
 from sparse_engine.calibration.baseline import LevelBaseline, SignalBaseline
-from sparse_engine.conformal import binomial_tail, ceiling_rank, sample_needed
+from sparse_engine.calibration.conformal import binomial_tail, ceiling_rank, sample_needed
 from sparse_engine.runtime.generation import GenerationStats
 from sparse_engine.sparsity.recorder import SignalSummary
 from sparse_engine.trust.features import RequestSignals

@@ -14,8 +14,8 @@ from tqdm import tqdm
 from services.config import Settings
 from services.shared.engine import build_engine
 from sparse_engine.calibration.baseline import LevelBaseline, run_prompts, summarise
+from sparse_engine.calibration.conformal import binomial_tail, sample_needed
 from sparse_engine.calibration.store import Calibration
-from sparse_engine.conformal import binomial_tail, sample_needed
 from sparse_engine.data import traffic
 from sparse_engine.model.loader import LoadedModel
 from sparse_engine.sparsity.plan import Level

@@ -18,7 +18,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from sparse_engine.conformal import ceiling_rank
+from sparse_engine.calibration.conformal import ceiling_rank
 from sparse_engine.data.traffic import Prompt
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.runtime.generation import GenerationRequest, GenerationStats

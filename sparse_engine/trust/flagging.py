@@ -9,7 +9,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 
-from sparse_engine.conformal import binomial_tail
+from sparse_engine.calibration.conformal import binomial_tail
 from sparse_engine.data.traffic import Prompt
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.runtime.generation import GenerationRequest
