@@ -5,8 +5,10 @@ sample (the conformal p-value holds a budget on average over samples only)."""
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 
+@lru_cache(maxsize=4096)  # asked per request and kind, of a few sample sizes
 def ceiling_rank(n: int, budget: float, confidence: float = 0.0) -> int:
     """How few of `n` healthy values a value must reach for it to be unusual: it fires when
     fewer than k of them are at or above it. The conformal rule takes k = floor(budget (n+1))
