@@ -37,6 +37,7 @@ class BaselineBook:
     def __init__(self, store: CalibrationStore | None) -> None:
         self._store = store
         self._by_version: dict[str, tuple[Calibration | None, float]] = {}
+        self._parsed: dict[str, LevelBaseline] = {}
         self._lock = threading.Lock()
         self._dense: LevelBaseline | None = None
         self._dense_searched = -RECHECK_S
@@ -47,11 +48,14 @@ class BaselineBook:
         if level == Level.DENSE.value:
             return self._dense or self._latest_dense()
         cal = self._calibration(version)
-        if cal is None or cal.baseline is None:
+        if cal is None or cal.baseline is None or version is None:
             return None
-        if cal.dense_baseline is not None:
-            self._dense = LevelBaseline.from_dict(cal.dense_baseline)
-        return LevelBaseline.from_dict(cal.baseline)
+        parsed = self._parsed.get(version)
+        if parsed is None:  # read once: a version's baseline does not change once measured
+            parsed = self._parsed[version] = LevelBaseline.from_dict(cal.baseline)
+            if cal.dense_baseline is not None:
+                self._dense = LevelBaseline.from_dict(cal.dense_baseline)
+        return parsed
 
     def _calibration(self, version: str | None) -> Calibration | None:
         if version is None or self._store is None:
