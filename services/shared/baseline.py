@@ -82,14 +82,17 @@ def measure(
     return found
 
 
-def attach(settings: Settings, lm: LoadedModel, cals: Sequence[Calibration]) -> None:
-    """Measure and store the baselines of `cals` (saved already) and of the dense level."""
+def attach(settings: Settings, lm: LoadedModel, cals: Sequence[Calibration]) -> int:
+    """Measure and store the baselines of `cals` (saved already) and of the dense level;
+    the requests it sent."""
     levels = [Level.parse(c.level) for c in cals]
-    found = measure(settings, lm, [Level.DENSE, *levels], baseline_prompts(settings))
+    prompts = baseline_prompts(settings)
+    found = measure(settings, lm, [Level.DENSE, *levels], prompts)
     dense = found[Level.DENSE].to_dict()
     for cal, level in zip(cals, levels, strict=True):
         cal.baseline = found[level].to_dict()
         cal.dense_baseline = dense
+    return (len(levels) + 1) * len(prompts)
 
 
 def describe(baseline: LevelBaseline) -> str:

@@ -47,7 +47,7 @@ def measure_baselines(
     if not cals:
         log.info("job %d: every served calibration of %s has a baseline", job.id, lm.model_id)
         return {"versions": [], "requests": 0}
-    baseline.attach(settings, lm, cals)
+    sent = baseline.attach(settings, lm, cals)
     store = CalibrationStore(settings.calibrations_dir)
     for cal in cals:
         store.save(cal)  # the same version, now with its baseline
@@ -58,5 +58,5 @@ def measure_baselines(
         log.info("published %s with its healthy baseline", cal.version)
     return {
         "versions": [cal.version for cal in cals],
-        "requests": (len(cals) + 1) * settings.engine.baseline_requests,
+        "requests": sent,
     }
