@@ -14,7 +14,7 @@ from services.gateway import reasons
 from services.gateway.reasons import BaselineBook
 from services.workers.baseline_job import missing_baselines
 from sparse_engine.calibration.store import CalibrationStore
-from tests.test_baselines import healthy_level
+from tests.baseline_fixtures import healthy_level
 from tests.tiny import calibration_of, tiny_engine
 
 

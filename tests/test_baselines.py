@@ -26,7 +26,7 @@ from sparse_engine.calibration.conformal import binomial_tail, ceiling_rank, sam
 from sparse_engine.trust.features import RequestSignals
 from sparse_engine.trust.flagging import conformal_floor, set_flag_threshold
 from sparse_engine.trust.model import TrustModel, fit
-from tests.test_reasons import baseline_of, healthy_level
+from tests.baseline_fixtures import baseline_of, healthy_level
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 

@@ -28,9 +28,9 @@ from sparse_engine.calibration.store import CalibrationNotFoundError, Calibratio
 from sparse_engine.runtime.engine import Engine, GenerationRequest
 from sparse_engine.runtime.prefix_cache import CacheKey, SparseCacheMismatchError
 from sparse_engine.sparsity.plan import Level, SparsityPlan
+from tests.baseline_fixtures import healthy_level
 from tests.gateway_fixtures import GatedEngine, RecordingSink, running_gateway, settings_for
 from tests.polling import wait_until
-from tests.test_baselines import healthy_level
 from tests.tiny import calibration_of, tiny_engine
 
 SYSTEM = "You are a careful assistant. Answer briefly and cite nothing. " * 2

@@ -22,29 +22,9 @@ from sparse_engine.calibration.baseline import LevelBaseline, SignalBaseline
 from sparse_engine.runtime.generation import GenerationStats
 from sparse_engine.sparsity.recorder import SignalSummary
 from sparse_engine.trust.features import RequestSignals
+from tests.baseline_fixtures import baseline_of, healthy_level
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
-
-
-def baseline_of(values: dict[str, list[float]], kinds: int = 2) -> LevelBaseline:
-    """A baseline whose signals hold `values`, split round-robin over `kinds` kinds."""
-    signals = {
-        name: SignalBaseline.of({f"k{k}": vs[k::kinds] for k in range(kinds)})
-        for name, vs in values.items()
-    }
-    n = len(next(iter(values.values())))
-    return LevelBaseline("balanced", n, [f"k{k}" for k in range(kinds)], 16, signals)
-
-
-def healthy_level() -> LevelBaseline:
-    rng = random.Random(5)
-    return baseline_of(
-        {
-            "late_silence": [rng.uniform(0.80, 0.90) for _ in range(200)],
-            "gate_entropy": [rng.uniform(0.96, 0.98) for _ in range(200)],
-            "gate_confidence": [rng.uniform(0.94, 0.97) for _ in range(200)],
-        }
-    )
 
 
 def test_reasons_against_a_baseline_ignore_the_published_numbers() -> None:

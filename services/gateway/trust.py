@@ -169,11 +169,9 @@ class TrustJudge:
         if late is None:
             return self.cfg.min_score
         budget = self.cfg.flag_budget
-        samples = [late.kind_sample(k, system) for k in late.kind_values if not kinds or k in kinds]
-        ceilings = [conformal_ceiling(vs, budget) for vs in samples]
-        if not ceilings or any(math.isinf(c) for c in ceilings):  # a kind too small: pooled
-            ceilings = [conformal_ceiling(late.values, budget)]
-        return 1.0 - max(ceilings)
+        return 1.0 - max(
+            conformal_ceiling(vs, budget) for vs in late.samples(budget, kinds, system)
+        )
 
     def _score(self, model: TrustModel | None, sig: RequestSignals) -> float:
         if model is None:

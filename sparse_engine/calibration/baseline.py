@@ -116,13 +116,21 @@ class SignalBaseline:
         alone held it on the mix only (late silence fired on 10 % of Qwen's code at 1 %,
         README). Where a kind's sample is too small to spend the budget, or the baseline
         predates per-kind samples, the pooled sample."""
-        samples = [self.kind_sample(k, system) for k in self.kind_values if not kinds or k in kinds]
-        if not samples or min(len(vs) for vs in samples) + 1 < 1 / budget:
-            samples = [self.values]
         return all(
             len(vs) - bisect.bisect_left(vs, value) < ceiling_rank(len(vs), budget, confidence)
-            for vs in samples
+            for vs in self.samples(budget, kinds, system)
         )
+
+    def samples(
+        self, budget: float, kinds: Collection[str] | None = None, system: bool | None = None
+    ) -> list[list[float]]:
+        """The sorted samples a value is tested against at `budget`: each kind's of `kinds`
+        (default all) on the request's side (`kind_sample`), or the pooled sample where one
+        of them is too small to spend the budget (n + 1 < 1 / budget) or none was kept."""
+        found = [self.kind_sample(k, system) for k in self.kind_values if not kinds or k in kinds]
+        if not found or min(len(vs) for vs in found) + 1 < 1 / budget:
+            return [self.values]
+        return found
 
     def kind_sample(self, kind: str, system: bool | None = None) -> list[float]:
         """`kind`'s sorted sample as a request with (`system` True) or without a system

@@ -19,9 +19,18 @@ def ceiling_rank(n: int, budget: float, confidence: float = 0.0) -> int:
     confidence (n < log(1 - confidence) / log(1 - budget): 230 for 1 % at 90 %), k is 1 and
     the budget holds on average only (`binomial_tail` says how sure). 0: never (n too few
     to spend the budget at all). `confidence` 0: the conformal rule."""
-    k = math.floor(budget * (n + 1) + 1e-9)
-    while k > 1 and binomial_tail(n, budget, k) < confidence:
-        k -= 1
+    most = math.floor(budget * (n + 1) + 1e-9)
+    return min(most, max(1, confident_rank(n, budget, confidence, most)))
+
+
+def confident_rank(n: int, budget: float, confidence: float, most: int | None = None) -> int:
+    """The largest k (at most `most`, default n) with P(Binomial(n, budget) >= k) >=
+    `confidence`: past the k-th largest (or under the k-th smallest) of `n` healthy values
+    lies at most `budget` of healthy traffic with that confidence. 0 when k = 1 falls short."""
+    top = n if most is None else min(most, n)
+    k = 0
+    while k < top and binomial_tail(n, budget, k + 1) >= confidence:
+        k += 1
     return k
 
 

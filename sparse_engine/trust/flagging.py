@@ -9,7 +9,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 
-from sparse_engine.calibration.conformal import binomial_tail
+from sparse_engine.calibration.conformal import confident_rank
 from sparse_engine.data.traffic import Prompt
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.runtime.generation import GenerationRequest
@@ -83,9 +83,7 @@ def tolerance_floor(scores: Sequence[float], budget: float, confidence: float) -
     score for the largest k with P(Binomial(n, budget) >= k) >= confidence, since the share
     under the k-th smallest of n is Beta(k, n + 1 - k). -inf when the sample is too small."""
     ordered = sorted(scores)
-    n, k = len(ordered), 0
-    while k < n and binomial_tail(n, budget, k + 1) >= confidence:
-        k += 1
+    k = confident_rank(len(ordered), budget, confidence)
     return -math.inf if k == 0 else ordered[k - 1]
 
 
