@@ -12,13 +12,16 @@ from services.cli.common import emit, emit_json, store
 from services.config import Settings
 from services.shared import baseline
 from services.shared.engine import load_served_model
+from services.shared.ranges import healthy_ranges, ranges_table
 from services.storage.db import make_engine, session_factory, upgrade
 from services.storage.repository import calibration_row, upsert_calibration
 from sparse_engine.calibration.baseline import LevelBaseline
 from sparse_engine.calibration.pipeline import CalibrationConfig, calibrate, prepare_data
 from sparse_engine.calibration.store import Calibration
 from sparse_engine.data import corpora
+from sparse_engine.model.catalog import resolve_model
 from sparse_engine.model.loader import LoadedModel
+from sparse_engine.model.model_dir import weights_sha256
 from sparse_engine.sparsity.plan import SPARSE_LEVELS, Level
 
 log = logging.getLogger(__name__)
@@ -57,6 +60,12 @@ def register(commands: Any) -> None:
     show = cals.add_parser("show", help="show one calibration as JSON")
     show.add_argument("version")
     show.set_defaults(handler=show_calibration)
+    ranges = cals.add_parser(
+        "ranges", help="each level's healthy range per signal, from the latest baselines"
+    )
+    ranges.add_argument("--model", help="model name, HF directory or GGUF file")
+    ranges.add_argument("--json", action="store_true", help="print the ranges as JSON")
+    ranges.set_defaults(handler=show_ranges)
 
 
 def run_calibrate(args: argparse.Namespace, settings: Settings) -> int:
@@ -154,4 +163,21 @@ def list_calibrations(args: argparse.Namespace, settings: Settings) -> int:
 
 def show_calibration(args: argparse.Namespace, settings: Settings) -> int:
     emit_json(store(settings).load(args.version).to_dict())
+    return 0
+
+
+def show_ranges(args: argparse.Namespace, settings: Settings) -> int:
+    """The healthy range of every baseline signal at dense and each calibrated level."""
+    model = args.model or settings.engine.model
+    sha = weights_sha256(resolve_model(model, settings.cache_home))
+    found = healthy_ranges(store(settings).list(sha))
+    if not found:
+        raise ValueError(
+            f"no calibration of {model} has a healthy baseline; run `sparseguard calibrate "
+            f"--model {model} --level all` (or `sparseguard calibrations baseline`)"
+        )
+    if args.json:
+        emit_json(found)
+    else:
+        emit(ranges_table(found))
     return 0
