@@ -70,5 +70,7 @@ def ranges_table(ranges: dict[str, dict[str, Any]]) -> str:
                 else f"{stats['median']:.4g} ({stats['low']:.4g}-{stats['high']:.4g})"
             )
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines.append("calibrations: " + ", ".join(ranges[lv]["calibration"] for lv in levels))
+    lines.append(
+        "measured with: " + "; ".join(f"{lv} {ranges[lv]['calibration']}" for lv in levels)
+    )
     return "\n".join(lines)
