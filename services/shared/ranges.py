@@ -16,15 +16,17 @@ LOW, HIGH = 1, 99  # the stored percentiles that bound a range
 
 
 def healthy_ranges(cals: Sequence[Calibration]) -> dict[str, dict[str, Any]]:
-    """Per level (dense first, from the newest baseline pass), per signal: n, median, low,
-    high and each kind's median; levels whose latest calibration has no baseline are left
-    out. `cals` oldest first, as the store lists them."""
+    """Per level (dense first, from the newest of those baseline passes), per signal: n,
+    median, low, high and each kind's median; levels whose latest calibration has no
+    baseline are left out. `cals` oldest first, as the store lists them (the order in which
+    `CalibrationStore.latest` picks what is served)."""
     latest = {c.level: c for c in cals}
     measured = [latest[lv.value] for lv in SPARSE_LEVELS if lv.value in latest]
     measured = [c for c in measured if c.baseline is not None]
     if not measured:
         return {}
-    newest = max(measured, key=lambda c: c.created_at)
+    order = {c.version: i for i, c in enumerate(cals)}
+    newest = max(measured, key=lambda c: order[c.version])
     out: dict[str, dict[str, Any]] = {}
     if newest.dense_baseline is not None:
         out[Level.DENSE.value] = _level(newest.dense_baseline, newest.version)
