@@ -35,19 +35,29 @@ BASE = Calibration(
 def test_each_level_reads_its_latest_calibrations_baseline_and_dense_the_newest() -> None:
     late = [0.5 + i / 1000 for i in range(200)]  # kinds k0 (even) and k1 (odd)
     dense = baseline_of({"late_silence": [0.1] * 200}).to_dict()
+    earlier_dense = baseline_of({"late_silence": [0.2] * 200}).to_dict()
     cals = [
         dataclasses.replace(BASE, version="old", baseline=healthy_level().to_dict()),
+        dataclasses.replace(  # baselined before "new": dense comes from "new"
+            BASE,
+            version="agg",
+            level="aggressive",
+            baseline=healthy_level().to_dict(),
+            dense_baseline=earlier_dense,
+            created_at="2099-01-01T00:00:00+00:00",  # the store's order decides, not a clock
+        ),
         dataclasses.replace(
             BASE,
             version="new",
             baseline=baseline_of({"late_silence": late}).to_dict(),
             dense_baseline=dense,
         ),
-        dataclasses.replace(BASE, version="agg", level="aggressive"),  # no baseline
+        dataclasses.replace(BASE, version="cons", level="conservative"),  # no baseline
     ]
     found = healthy_ranges(cals)
-    assert list(found) == ["dense", "balanced"]
+    assert list(found) == ["dense", "balanced", "aggressive"]
     assert found["dense"]["calibration"] == "new"
+    assert found["dense"]["signals"]["late_silence"]["median"] == pytest.approx(0.1)
     late_range = found["balanced"]["signals"]["late_silence"]
     assert found["balanced"]["calibration"] == "new" and late_range["n"] == 200
     assert late_range["median"] == pytest.approx(statistics.median(late))
@@ -58,10 +68,10 @@ def test_each_level_reads_its_latest_calibrations_baseline_and_dense_the_newest(
         "k1": pytest.approx(statistics.median(late[1::2])),
     }
     table = ranges_table(found).splitlines()
-    assert table[1] == "| signal | dense (200 req) | balanced (200 req) |"
+    assert table[1] == "| signal | dense (200 req) | balanced (200 req) | aggressive (200 req) |"
     late_row = next(row for row in table if row.startswith("| late_silence |"))
-    assert late_row == "| late_silence | 0.1 (0.1-0.1) | 0.5995 (0.502-0.697) |"
-    assert "| gate_entropy | - | - |" in table  # a signal these baselines did not measure
+    assert late_row.startswith("| late_silence | 0.1 (0.1-0.1) | 0.5995 (0.502-0.697) |")
+    assert "| semantic_drift_kl | - | - | - |" in table  # a signal none of them measured
     assert healthy_ranges([BASE]) == {}
 
 
