@@ -221,9 +221,12 @@ class Engine:
         cached, mismatch, start = prefill.begin(seq.prompt_ids, ends)
         return OpenPrefill(path, prefill, cached, mismatch, start)
 
-    def finish(self, seq: Sequence, drift: float | None = None) -> GenerationStats:
-        """`seq`'s statistics; its drift is measured here unless given (a batched pass)."""
-        ended = time.perf_counter()
+    def finish(
+        self, seq: Sequence, drift: float | None = None, ended: float | None = None
+    ) -> GenerationStats:
+        """`seq`'s statistics; its drift is measured here unless given (a batched pass).
+        `ended`: when its last token came, if before now (the drift pass is not decode time)."""
+        ended = time.perf_counter() if ended is None else ended
         if drift is None and seq.request.measure_drift:
             found = seq.drift_input()
             drift = self.semantic_drift(*found) if found is not None else 0.0

@@ -1,11 +1,10 @@
-"""Continuous batching: one thread owns the engine and runs every admitted sequence a step at
-a time. New requests join at step boundaries (their prompts are prefilled between two steps,
-the fast-path prompts that start together in one packed pass: `runtime.packed`), finished
-ones leave, and the fast-path sequences of every level step together
-(`runtime.batch`); reference-path sequences (Top-K plans, a plan-A mask, prompts longer than
-the fast path holds) step one after another in the same loop. Each sequence keeps its own
-sampling, stops, recorder and readout (`runtime.sequence`), so its signals are what it would
-have got alone.
+"""Continuous batching: one thread owns the engine and runs every admitted sequence a step at a
+time. New requests join at step boundaries (their prompts are prefilled between two steps, the
+fast-path prompts that start together in one packed pass: `runtime.packed`), finished ones
+leave, and the fast-path sequences of every level step together (`runtime.batch`);
+reference-path sequences (Top-K plans, a plan-A mask, prompts longer than the fast path holds)
+step one after another in the same loop. Each sequence keeps its own sampling, stops, recorder
+and readout (`runtime.sequence`), so its signals are what it would have got alone.
 
 Admission: at most `max_batch` sequences run, holding at most `kv_tokens` tokens between them
 (prompt plus max_new_tokens each; one longer request runs when it would run alone); the rest
@@ -19,6 +18,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -361,6 +361,7 @@ class Scheduler:
         given back (the last fast sequence moves into a freed slot, keeping them packed)."""
         if not done:
             return
+        ended = time.perf_counter()
         engine = self.engine
         assert engine is not None
         for live in done:
@@ -369,15 +370,14 @@ class Scheduler:
         wanted = [(i, x) for i, x in enumerate(inputs) if x is not None]
         drifts: list[float | None] = [None] * len(done)  # None: `finish` measures it alone
         try:
-            for (i, _), value in zip(
-                wanted, engine.semantic_drift_many([x for _, x in wanted]), strict=True
-            ):
+            found = engine.semantic_drift_many([x for _, x in wanted])
+            for (i, _), value in zip(wanted, found, strict=True):
                 drifts[i] = value
         except Exception as exc:
             log.error("the drift pass failed", exc_info=exc)
         for live, drift in zip(done, drifts, strict=True):
             try:
-                live.ticket.sink.done(engine.finish(live.seq, drift))
+                live.ticket.sink.done(engine.finish(live.seq, drift, ended))
             except Exception as exc:
                 live.ticket.sink.error(exc)
 
