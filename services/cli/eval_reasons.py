@@ -135,21 +135,13 @@ def render(figures: dict[str, Any]) -> str:
         f"{figures['budget']:.0%} (95% interval)",
         f"{'':<14}" + "".join(f"{r:<28}" for r in REASONS),
     ]
-    for row, rates in figures["rates"].items():
-        cells = "".join(f"{rate_text(rates[r]):<28}" for r in REASONS)
-        lines.append(f"{row:<14}{cells}")
+    lines += _rows(figures["rates"], REASONS, 14)
     lines += ["", "All levels' requests by their side of the system prompt"]
-    for row, rates in figures["rates_by_side"].items():
-        cells = "".join(f"{rate_text(rates[r]):<28}" for r in REASONS)
-        lines.append(f"{row:<18}{cells}")
+    lines += _rows(figures["rates_by_side"], REASONS, 18)
     lines += ["", "The sparse levels' requests by side, judged whatever their side"]
-    for row, rates in figures["rates_by_side_unsided"].items():
-        cells = "".join(f"{rate_text(rates[r]):<28}" for r in BASELINE_REASONS)
-        lines.append(f"{row:<18}{cells}")
+    lines += _rows(figures["rates_by_side_unsided"], BASELINE_REASONS, 18)
     lines += ["", "The sparse levels' requests against every kind, whatever their category"]
-    for row, rates in figures["rates_every_kind"].items():
-        cells = "".join(f"{rate_text(rates[r]):<28}" for r in BASELINE_REASONS)
-        lines.append(f"{row:<18}{cells}")
+    lines += _rows(figures["rates_every_kind"], BASELINE_REASONS, 18)
     for reason, prompts in figures["fired_on"].items():
         lines += ["", f"{reason}: {len(prompts)} distinct prompts"]
         for p in prompts:
@@ -157,3 +149,10 @@ def render(figures: dict[str, Any]) -> str:
             side = "system" if p["system"] else "plain"
             lines.append(f"  [{p['category']}, {side}; {','.join(p['levels'])}] {text}")
     return "\n".join(lines)
+
+
+def _rows(table: dict[str, Any], reasons: tuple[str, ...], width: int) -> list[str]:
+    return [
+        f"{row:<{width}}" + "".join(f"{rate_text(rates[r]):<28}" for r in reasons)
+        for row, rates in table.items()
+    ]
