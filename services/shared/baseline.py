@@ -1,13 +1,18 @@
 """The baseline pass that ends a calibration (CLI and recalibration job): healthy held-out
 prompts through the engine as served with the new plans, at each new level and at dense, and
-each level's baseline stored in its artefact (`Calibration.baseline`, `.dense_baseline`)."""
+each level's baseline stored in its artefact (`Calibration.baseline`, `.dense_baseline`).
+Each level is kept as it is measured (`<home>/baseline-progress`), so an interrupted pass,
+run again, resumes at the level it stopped in; the kept levels go once the pass ends."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -17,6 +22,7 @@ from sparse_engine.calibration.baseline import LevelBaseline, run_prompts, summa
 from sparse_engine.calibration.conformal import binomial_tail, sample_needed
 from sparse_engine.calibration.store import Calibration
 from sparse_engine.data import traffic
+from sparse_engine.jsonstore import JsonStore
 from sparse_engine.model.loader import LoadedModel
 from sparse_engine.sparsity.plan import Level
 
@@ -70,21 +76,31 @@ def measure(
     settings: Settings, lm: LoadedModel, levels: Sequence[Level], prompts: list[traffic.Prompt]
 ) -> dict[Level, LevelBaseline]:
     """Each level's baseline on the engine as served (the calibrations of `levels` must be
-    in the store already: the engine loads the latest plans)."""
+    in the store already: the engine loads the latest plans). A level an interrupted pass
+    kept, under the same plan, prompts and settings, is taken as kept."""
     engine = build_engine(settings, lm, prefix_cache=True)
     tokens = settings.engine.baseline_max_new_tokens
+    kept = JsonStore(progress_dir(settings))
     found = {}
     with tqdm(total=len(levels) * len(prompts), desc="baseline pass", unit="req") as bar:
         for level in levels:
+            key = _progress_key(settings, lm, engine.plan(level).calibration_version, prompts)
+            earlier = kept.load(key)
+            if earlier is not None:
+                found[level] = LevelBaseline.from_dict(earlier)
+                log.info("%s baseline: kept from an interrupted pass (%s)", level.value, key)
+                bar.update(len(prompts))
+                continue
             answers = run_prompts(engine, level, prompts, tokens, progress=bar.update)
             found[level] = summarise(level, prompts, answers, tokens, settings.signals.late_band)
+            kept.save(key, found[level].to_dict())
             log.info("%s baseline: %s", level.value, describe(found[level]))
     return found
 
 
 def attach(settings: Settings, lm: LoadedModel, cals: Sequence[Calibration]) -> int:
     """Measure and store the baselines of `cals` (saved already) and of the dense level;
-    the requests it sent."""
+    the requests it sent. The levels kept for resuming go once the baselines are attached."""
     levels = [Level.parse(c.level) for c in cals]
     prompts = baseline_prompts(settings)
     found = measure(settings, lm, [Level.DENSE, *levels], prompts)
@@ -92,7 +108,31 @@ def attach(settings: Settings, lm: LoadedModel, cals: Sequence[Calibration]) -> 
     for cal, level in zip(cals, levels, strict=True):
         cal.baseline = found[level].to_dict()
         cal.dense_baseline = dense
+    for version in (None, *(c.version for c in cals)):
+        (progress_dir(settings) / f"{_progress_key(settings, lm, version, prompts)}.json").unlink(
+            missing_ok=True
+        )
     return (len(levels) + 1) * len(prompts)
+
+
+def progress_dir(settings: Settings) -> Path:
+    return settings.home / "baseline-progress"
+
+
+def _progress_key(
+    settings: Settings, lm: LoadedModel, version: str | None, prompts: list[traffic.Prompt]
+) -> str:
+    """What decides a level's baseline: the weights, the plan (its calibration; None: dense),
+    the prompts and the engine's and signals' settings."""
+    decides = {
+        "weights": lm.weights_sha256,
+        "calibration": version,
+        "prompts": [[p.kind, p.messages()] for p in prompts],
+        "engine": settings.engine.model_dump(mode="json"),
+        "late_band": settings.signals.late_band,
+    }
+    digest = hashlib.sha256(json.dumps(decides, sort_keys=True).encode()).hexdigest()[:16]
+    return f"{version or 'dense'}-{digest}"
 
 
 def describe(baseline: LevelBaseline) -> str:
