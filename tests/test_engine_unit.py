@@ -18,6 +18,7 @@ from sparse_engine.calibration.allocation import (
 from sparse_engine.calibration.stats import ActivationStats, collect_stats
 from sparse_engine.model.loader import LoadedModel
 from sparse_engine.runtime.engine import Engine, GenerationRequest
+from sparse_engine.runtime.heads import span_logits
 from sparse_engine.sparsity.hooks import sparsified
 from sparse_engine.sparsity.plan import Level, SparsityPlan
 from sparse_engine.sparsity.recorder import SignalRecorder
@@ -192,3 +193,25 @@ def test_unbound_level_and_overlong_prompt_give_clear_errors(llama: LoadedModel)
         engine.generate(GenerationRequest(prompt="x" * 600, max_new_tokens=10))
     with pytest.raises(ValueError, match="unknown level 'fast'"):
         Level.parse("fast")
+
+
+@pytest.mark.parametrize(("family", "cap"), [*((f, None) for f in FAMILIES), ("gemma3", 3.0)])
+def test_span_logits_are_the_full_passes_logits_at_each_rows_span(
+    family: str, cap: float | None
+) -> None:
+    lm = tiny_model(family)
+    if cap is not None:  # Gemma's forward soft-caps its logits when its config says so
+        lm.model.config.final_logit_softcapping = cap
+    texts = zip(sample_texts(3), (30, 12, 21), strict=True)
+    rows = [lm.tokenizer(t)["input_ids"][:n] for t, n in texts]
+    width = max(map(len, rows))
+    ids = torch.tensor([row + [0] * (width - len(row)) for row in rows])
+    mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])
+    spans = [(len(row) - 5, len(row)) for row in rows]
+    with torch.inference_mode():
+        full = lm.model(input_ids=ids, attention_mask=mask).logits
+        got = span_logits(lm.model, ids, mask, spans)
+    if cap is not None:
+        assert full.abs().max() <= cap
+    for b, (start, end) in enumerate(spans):
+        torch.testing.assert_close(got[b], full[b, start:end], rtol=1e-5, atol=1e-5)

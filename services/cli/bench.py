@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from services.cli import bench_gateway, bench_pipeline, bench_speed
+from services.cli.bench_drift import drift_pass_cost
 from services.cli.common import emit, emit_json
 from services.config import Settings
 from services.shared.engine import build_engine
@@ -95,7 +96,7 @@ def run_engine(args: argparse.Namespace, settings: Settings) -> int:
     ]
     if Level.BALANCED in eng.plans:
         rows.append(measure(eng, Level.BALANCED, args.new_tokens, args.repeats, False))
-    report = {
+    report: dict[str, Any] = {
         "rows": rows,
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "threads": torch.get_num_threads(),
@@ -109,6 +110,13 @@ def run_engine(args: argparse.Namespace, settings: Settings) -> int:
         report["trust_cost_ratio"] = round(
             trust_cost(eng, Level.BALANCED, args.new_tokens, 4 * args.repeats, model), 3
         )
+        asked = GenerationRequest(
+            messages=[{"role": "user", "content": BENCH_PROMPT}],
+            max_new_tokens=args.new_tokens,
+            ignore_eos=True,
+        )
+        answer = eng.generate(asked, Level.BALANCED).result().token_ids
+        report["drift_pass"] = drift_pass_cost(eng, BENCH_PROMPT, answer, args.repeats)
     if args.json:
         emit_json(report)
         return 0
@@ -134,6 +142,16 @@ def run_engine(args: argparse.Namespace, settings: Settings) -> int:
             f"{4 * args.repeats} back-to-back pairs; trust model "
             f"{report['trust_model'] or 'none: readout only'}): {report['trust_cost_ratio']:.3f}x"
         )
+    if "drift_pass" in report:
+        d = report["drift_pass"]
+        for n in (16, 1):
+            mib = d[f"batch_{n}_logits_mib"]
+            emit(
+                f"KL-drift pass, {n} answer(s) of {d['answer_tokens']} tokens: head on the "
+                f"answer spans {d[f'batch_{n}_span_ms']:.0f} ms ({mib['span']} MiB of "
+                f"logits), at every position {d[f'batch_{n}_every_position_ms']:.0f} ms "
+                f"({mib['every_position']} MiB)"
+            )
     emit(f"peak RSS: {report['peak_rss_mib']} MiB")
     return 0
 

@@ -3,7 +3,6 @@ with a stats object holding every per-request signal."""
 
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
 import time
@@ -18,6 +17,7 @@ from sparse_engine.model.arch import UnsupportedModelError
 from sparse_engine.model.loader import LoadedModel
 from sparse_engine.runtime.fastpath import FastDecoder
 from sparse_engine.runtime.generation import Generation, GenerationRequest, GenerationStats, Message
+from sparse_engine.runtime.heads import keeps_logits, span_logits
 from sparse_engine.runtime.prefill import (
     FastKV,
     FastKVState,
@@ -61,7 +61,7 @@ class Engine:
         self.prefix_cache = prefix_cache
         self.mask: ChannelMask | None = None
         self.set_mask(mask)
-        self._keeps_logits = "logits_to_keep" in inspect.signature(lm.model.forward).parameters
+        self._keeps_logits = keeps_logits(lm.model)
         self.fast: FastDecoder | None = None
         # The fast path's own prefixes (its KV is laid out apart from the Hugging Face cache).
         self.fast_prefixes: PrefixCache[FastKVState] | None = None
@@ -177,8 +177,9 @@ class Engine:
         if not generated:
             return 0.0
         ids = torch.tensor([prompt_ids + generated[:-1]])
+        span = [(len(prompt_ids) - 1, ids.shape[1])]
         with torch.inference_mode(), masked(self.lm.layers, self.mask):
-            dense = self.lm.model(input_ids=ids).logits[0, len(prompt_ids) - 1 :]
+            (dense,) = span_logits(self.lm.model, ids, None, span)
         return float(signals.token_kl(dense, sparse_logits).mean())
 
     def start(
@@ -246,13 +247,13 @@ class Engine:
         width = max(map(len, rows))
         ids = torch.tensor([row + [0] * (width - len(row)) for row in rows])
         mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])
+        spans = [(len(prompt) - 1, len(prompt) - 1 + len(answer)) for prompt, answer, _ in items]
         with torch.inference_mode(), masked(self.lm.layers, self.mask):
-            logits = self.lm.model(input_ids=ids, attention_mask=mask).logits
-        drifts = []
-        for row, (prompt, answer, sparse) in zip(logits, items, strict=True):
-            dense = row[len(prompt) - 1 : len(prompt) - 1 + len(answer)]
-            drifts.append(float(signals.token_kl(dense, sparse).mean()))
-        return drifts
+            logits = span_logits(self.lm.model, ids, mask, spans)
+        return [
+            float(signals.token_kl(dense, sparse).mean())
+            for dense, (_, _, sparse) in zip(logits, items, strict=True)
+        ]
 
     def _stream(self, out: Generation, seq: Sequence) -> Iterator[str]:
         with torch.inference_mode(), self.passes(seq):

@@ -9,12 +9,12 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.runtime.generation import GenerationStats, Message
+from sparse_engine.runtime.heads import span_logits
 from sparse_engine.sparsity import signals
 from sparse_engine.sparsity.hooks import read_out, sparsified
 from sparse_engine.sparsity.plan import Level, SparsityPlan
@@ -94,7 +94,7 @@ def score_many(
     ):
         recorder.begin_step()
         spans = [(len(prompt) - 1, n - 1) for prompt, n in zip(prompts, lengths, strict=True)]
-        answers = _answer_logits(engine, ids, mask if batched else None, spans)
+        answers = span_logits(engine.lm.model, ids, mask if batched else None, spans)
         recorder.end_step()
     elapsed = time.perf_counter() - started
     wanted = [
@@ -114,39 +114,6 @@ def score_many(
         stats.prefill_tokens_per_s = rate
         out.append(stats)
     return out
-
-
-def _answer_logits(
-    engine: Engine, ids: torch.Tensor, mask: torch.Tensor | None, spans: list[tuple[int, int]]
-) -> list[torch.Tensor]:
-    """Each row's logits over its span of positions. A batch's head runs on those positions
-    only (the final norm's output, caught by a hook): a (B, T, vocab) tensor of logits would
-    take B x T x vocab x 4 bytes (1 GB for 16 SmolLM2 probes of 300 tokens)."""
-    model: Any = engine.lm.model
-    norm = _final_norm(model)
-    if len(spans) == 1 or norm is None or not engine._keeps_logits:
-        logits = model(input_ids=ids, attention_mask=mask).logits
-        return [logits[b, start:end] for b, (start, end) in enumerate(spans)]
-    caught: list[torch.Tensor] = []
-    handle = norm.register_forward_hook(lambda module, args, out: caught.append(out))
-    try:
-        model(input_ids=ids, attention_mask=mask, logits_to_keep=1)
-    finally:
-        handle.remove()
-    head = model.get_output_embeddings()
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    out = []
-    for b, (start, end) in enumerate(spans):
-        logits = head(caught[-1][b, start:end])
-        out.append(torch.tanh(logits / cap) * cap if cap else logits)
-    return out
-
-
-def _final_norm(model: Any) -> torch.nn.Module | None:
-    """The norm before the head (Llama, Qwen2, Gemma: model.norm; GPT-2: transformer.ln_f)."""
-    inner = getattr(model, "model", None) or getattr(model, "transformer", None)
-    found = getattr(inner, "norm", None) or getattr(inner, "ln_f", None)
-    return found if isinstance(found, torch.nn.Module) else None
 
 
 def _stats(
