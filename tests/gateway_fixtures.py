@@ -58,8 +58,10 @@ class GatedEngine(Engine):
         time.sleep(self.token_delay_s)
         return super().passes(seq)
 
-    def finish(self, seq: Sequence, drift: float | None = None) -> GenerationStats:
-        stats = super().finish(seq, drift)
+    def finish(
+        self, seq: Sequence, drift: float | None = None, ended: float | None = None
+    ) -> GenerationStats:
+        stats = super().finish(seq, drift, ended)
         self.finished.append(stats)
         return stats
 
