@@ -17,7 +17,7 @@ from sparse_engine.calibration.allocation import (
 )
 from sparse_engine.calibration.stats import ActivationStats, collect_stats
 from sparse_engine.model.loader import LoadedModel
-from sparse_engine.runtime.engine import Engine, GenerationRequest
+from sparse_engine.runtime.engine import Engine, GenerationRequest, length_groups
 from sparse_engine.runtime.heads import span_logits
 from sparse_engine.sparsity.hooks import sparsified
 from sparse_engine.sparsity.plan import Level, SparsityPlan
@@ -215,3 +215,30 @@ def test_span_logits_are_the_full_passes_logits_at_each_rows_span(
         assert full.abs().max() <= cap
     for b, (start, end) in enumerate(spans):
         torch.testing.assert_close(got[b], full[b, start:end], rtol=1e-5, atol=1e-5)
+
+
+@given(st.lists(st.integers(1, 300), max_size=40), st.floats(1.0, 3.0))
+def test_length_groups_bound_the_padding(lengths: list[int], waste: float) -> None:
+    groups = length_groups(lengths, waste)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for group in groups:
+        sizes = [lengths[i] for i in group]
+        assert sizes == sorted(sizes)
+        assert len(group) == 1 or len(group) * max(sizes) <= waste * sum(sizes)
+
+
+def test_drift_of_mixed_lengths_is_each_answers_own(llama: LoadedModel) -> None:
+    """Short answers batch together, a long one runs alone; each drift is its own pass's."""
+    assert length_groups([20, 21, 200, 22, 199]) == [[0, 1, 3], [4, 2]]
+    engine = Engine(llama, {})
+    generator = torch.Generator().manual_seed(0)
+    texts = sample_texts(4)
+    prompts = [engine.encode_text(t)[:n] for t, n in zip(texts, (8, 9, 60, 10), strict=True)]
+    items = [
+        (prompt, [5, 7, 9], torch.randn(3, engine.vocab_size, generator=generator))
+        for prompt in prompts
+    ]
+    assert length_groups([len(p) + 2 for p in prompts]) == [[0, 1, 3], [2]]
+    many = engine.semantic_drift_many(items)
+    assert min(many) > 0.1
+    assert many == pytest.approx([engine.semantic_drift(*item) for item in items], rel=1e-4)

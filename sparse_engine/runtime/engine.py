@@ -41,6 +41,8 @@ from sparse_engine.sparsity.recorder import SignalRecorder
 
 __all__ = ["Engine", "Generation", "GenerationRequest", "GenerationStats", "Message"]
 log = logging.getLogger(__name__)
+# Padded tokens a batched drift pass may spend per real token (`length_groups`).
+PADDING_WASTE = 1.25
 
 
 class Engine:
@@ -239,21 +241,24 @@ class Engine:
     def semantic_drift_many(
         self, items: list[tuple[list[int], list[int], torch.Tensor]]
     ) -> list[float]:
-        """`semantic_drift` of several answers (prompt, answer, sparse logits) in one dense
-        pass, right-padded: the padding comes after every real position, so it changes none."""
-        if len(items) < 2:
-            return [self.semantic_drift(*item) for item in items]
+        """`semantic_drift` of several answers (prompt, answer, sparse logits), in dense passes
+        of answers of similar length (`length_groups`), each right-padded: the padding comes
+        after every real position, so it changes none."""
+        found = [0.0] * len(items)
         rows = [prompt + answer[:-1] for prompt, answer, _ in items]
-        width = max(map(len, rows))
-        ids = torch.tensor([row + [0] * (width - len(row)) for row in rows])
-        mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])
-        spans = [(len(prompt) - 1, len(prompt) - 1 + len(answer)) for prompt, answer, _ in items]
-        with torch.inference_mode(), masked(self.lm.layers, self.mask):
-            logits = span_logits(self.lm.model, ids, mask, spans)
-        return [
-            float(signals.token_kl(dense, sparse).mean())
-            for dense, (_, _, sparse) in zip(logits, items, strict=True)
-        ]
+        for group in length_groups([len(row) for row in rows]):
+            if len(group) == 1:
+                found[group[0]] = self.semantic_drift(*items[group[0]])
+                continue
+            width = max(len(rows[i]) for i in group)
+            ids = torch.tensor([rows[i] + [0] * (width - len(rows[i])) for i in group])
+            mask = torch.tensor([[1] * len(rows[i]) + [0] * (width - len(rows[i])) for i in group])
+            spans = [(len(items[i][0]) - 1, len(items[i][0]) - 1 + len(items[i][1])) for i in group]
+            with torch.inference_mode(), masked(self.lm.layers, self.mask):
+                logits = span_logits(self.lm.model, ids, mask, spans)
+            for i, dense in zip(group, logits, strict=True):
+                found[i] = float(signals.token_kl(dense, items[i][2]).mean())
+        return found
 
     def _stream(self, out: Generation, seq: Sequence) -> Iterator[str]:
         with torch.inference_mode(), self.passes(seq):
@@ -370,3 +375,21 @@ def _say_path(plan: SparsityPlan) -> None:
             plan.level.value,
             plan.gates.version,
         )
+
+
+def length_groups(lengths: list[int], waste: float = PADDING_WASTE) -> list[list[int]]:
+    """Indices of `lengths` in groups of similar length, shortest first: a group grows while
+    its padded size stays within `waste` times its real tokens. On CPU a padded pass costs
+    what its padded tokens cost, so padding short rows to a long one is pure loss (a sparse
+    baseline's drift passes mixed 20- and 200-token rows: 1.8x the real tokens)."""
+    groups: list[list[int]] = []
+    total = 0
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        n = lengths[i]
+        if groups and (len(groups[-1]) + 1) * n <= waste * (total + n):
+            groups[-1].append(i)
+            total += n
+        else:
+            groups.append([i])
+            total = n
+    return groups
