@@ -19,6 +19,8 @@ from sparse_engine.calibration.stats import ActivationStats, collect_stats
 from sparse_engine.model.loader import LoadedModel
 from sparse_engine.runtime.engine import Engine, GenerationRequest, length_groups
 from sparse_engine.runtime.heads import span_logits
+from sparse_engine.runtime.scoring import Probe
+from sparse_engine.runtime.tickets import ProbeTicket, probe_batches
 from sparse_engine.sparsity.hooks import sparsified
 from sparse_engine.sparsity.plan import Level, SparsityPlan
 from sparse_engine.sparsity.recorder import SignalRecorder
@@ -242,3 +244,18 @@ def test_drift_of_mixed_lengths_is_each_answers_own(llama: LoadedModel) -> None:
     many = engine.semantic_drift_many(items)
     assert min(many) > 0.1
     assert many == pytest.approx([engine.semantic_drift(*item) for item in items], rel=1e-4)
+
+
+def test_probes_batch_with_probes_of_similar_length_within_the_budget() -> None:
+    """Probes of 10-12 tokens share batches of at most 36 padded tokens; a 50-token one runs
+    alone rather than padding the short ones to its length."""
+    plan = SparsityPlan()
+
+    def waiting(n: int) -> tuple[ProbeTicket, SparsityPlan]:
+        probe = Probe([{"role": "user", "content": ""}], list(range(n)), False)
+        return ProbeTicket(probe, plan, False, sink=None), plan  # type: ignore[arg-type]
+
+    group = [waiting(n) for n in (12, 50, 10, 11, 12, 10)]
+    batches = probe_batches(group, budget=36)
+    sizes = [[len(t.probe.answer_ids) for t, _ in batch] for batch in batches]
+    assert sizes == [[10, 10, 11], [12, 12], [50]]

@@ -288,11 +288,16 @@ def test_probes_batched_match_each_probe_alone(family: str, scheduler: Scheduler
     """Proxy probes waiting together run as one right-padded pass (per plan), with each
     answer's signals, log-probabilities, readout and drift as a pass of its own gives."""
     engine = _engine(family, "reference")
-    answers = ["Four, of course.", "It is sunny and warm", "The sea was grey and the wind " * 3]
+    answers = [
+        "Four, of course, as every child knows.",
+        "It is sunny and warm, with a light breeze.",
+        "The sea was grey and the wind blew hard.",
+    ]
     probes = [
         Probe([{"role": "user", "content": PROMPTS[i]}], engine.encode_text(a), True, a)
         for i, a in enumerate(answers)
     ]
+    assert len({len(p.answer_ids) for p in probes}) == 3  # unequal rows: padded, one batch
     alone = [score_many(engine, [p], Level.AGGRESSIVE, readout=True)[0] for p in probes]
     scheduler.call(lambda: scheduler.attach(engine)).result()
     gate = threading.Event()

@@ -139,7 +139,7 @@ class Scheduler:
         cancelled: threading.Event | None = None,
     ) -> ProbeTicket:
         """Queue a teacher-forced probe of a given answer (`runtime.scoring`); the probes
-        waiting at a step boundary run as one batched pass per plan."""
+        waiting at a step boundary run as batched passes per plan (`probe_batches`)."""
         self._reserve()
         ticket = ProbeTicket(probe, level, readout, sink, cancelled or threading.Event())
         self._inbox.put(ticket)
@@ -269,8 +269,8 @@ class Scheduler:
         self._finish([live for live in accepted if live.seq.done])
 
     def _run_probes(self) -> None:
-        """Every waiting probe, one batched pass per plan (and readout setting), in batches
-        of at most `kv_tokens` padded tokens."""
+        """Every waiting probe, batched per plan (and readout setting): rows of similar
+        length together, at most `kv_tokens` padded tokens a batch (`probe_batches`)."""
         engine = self.engine
         assert engine is not None, "attach an engine before submitting"
         waiting, self._probes = self._probes, []

@@ -7,7 +7,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from sparse_engine.runtime.engine import Engine
+from sparse_engine.runtime.engine import Engine, length_groups
 from sparse_engine.runtime.generation import GenerationRequest, GenerationStats
 from sparse_engine.runtime.scoring import Probe, score_many
 from sparse_engine.sparsity.plan import Level, SparsityPlan
@@ -64,19 +64,20 @@ def run_probes(engine: Engine, batch: list[Waiting]) -> None:
 
 
 def probe_batches(group: list[Waiting], budget: int) -> list[list[Waiting]]:
-    """Consecutive batches whose padded size (rows x the longest) stays within `budget`
+    """Batches of probes of similar length (`length_groups`: on CPU a padded row costs its
+    padded tokens), each split where its padded size (rows x the longest) would pass `budget`
     tokens (a longer probe runs alone)."""
+    sizes = [_probe_tokens(ticket.probe) for ticket, _ in group]
     batches: list[list[Waiting]] = []
-    current: list[Waiting] = []
-    longest = 0
-    for item in group:
-        size = _probe_tokens(item[0].probe)
-        if current and max(longest, size) * (len(current) + 1) > budget:
-            batches.append(current)
-            current, longest = [], 0
-        current.append(item)
-        longest = max(longest, size)
-    return [*batches, current] if current else batches
+    for similar in length_groups(sizes):
+        current: list[Waiting] = []
+        for i in similar:  # shortest first, so the newest row is the longest
+            if current and sizes[i] * (len(current) + 1) > budget:
+                batches.append(current)
+                current = []
+            current.append(group[i])
+        batches.append(current)
+    return batches
 
 
 def _probe_tokens(probe: Probe) -> int:
