@@ -51,6 +51,10 @@ class EngineSettings(BaseModel):
     # 920 over four kinds (the code corpus's baseline half holds 184: 84 %).
     baseline_requests: int = Field(920, ge=10)
     baseline_max_new_tokens: int = Field(16, ge=1)
+    # The share of each kind's baseline requests that measure KL drift (a dense pass each,
+    # about half of a sparse level's pass when all do): `SemanticDriftHigh` reads only their
+    # mean, spread and per-kind means, and its margin with this share is measured (README).
+    baseline_drift_share: float = Field(0.25, gt=0.0, le=1.0)
     baseline_kinds: list[str] = Field(default_factory=lambda: ["chat", "qa", "code", "prose"])
 
 

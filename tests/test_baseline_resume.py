@@ -64,3 +64,26 @@ def test_an_interrupted_baseline_pass_resumes_at_the_level_it_stopped_in(
     assert list(baseline.progress_dir(settings).glob("*.json")) == []
     baseline.attach(settings, engine.lm, [cal])
     assert ran[2:] == [Level.DENSE, Level.BALANCED], "after a whole pass, nothing is kept"
+
+
+def test_the_baseline_pass_measures_drift_on_its_share(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPARSEGUARD_ENGINE__BASELINE_MAX_NEW_TOKENS", "3")
+    monkeypatch.setenv("SPARSEGUARD_ENGINE__BASELINE_DRIFT_SHARE", "0.5")
+    prompts = [
+        Prompt(kind, f"Say something about {kind} number {i}.")
+        for kind in ("chat", "code")
+        for i in range(4)
+    ]
+    monkeypatch.setattr(baseline, "baseline_prompts", lambda settings: prompts)
+    settings = Settings(home=tmp_path)
+    engine = tiny_engine()
+    cal = calibration_of(engine, "v1")
+    CalibrationStore(settings.calibrations_dir).save(cal)
+    baseline.attach(settings, engine.lm, [cal])
+    assert cal.baseline is not None and cal.dense_baseline is not None
+    drift = cal.baseline["signals"]["semantic_drift_kl"]
+    assert cal.baseline["requests"] == 8 and drift["n"] == 4, "half of each kind's requests"
+    assert {k: len(v) for k, v in drift["kind_values"].items()} == {"chat": 2, "code": 2}
+    assert "semantic_drift_kl" not in cal.dense_baseline["signals"]

@@ -21,8 +21,9 @@ from alerts.samples import samples_from_windows
 from services.aggregator.references import MIN_TRAILING, Reference, references
 from services.config import SignalSettings, TrustSettings
 from services.gateway.trust import TrustJudge
-from sparse_engine.calibration.baseline import LevelBaseline, SignalBaseline
+from sparse_engine.calibration.baseline import LevelBaseline, SignalBaseline, drift_sampled
 from sparse_engine.calibration.conformal import binomial_tail, ceiling_rank, sample_needed
+from sparse_engine.data.traffic import Prompt, half_with_system
 from sparse_engine.trust.features import RequestSignals
 from sparse_engine.trust.flagging import conformal_floor, set_flag_threshold
 from sparse_engine.trust.model import TrustModel, fit
@@ -67,6 +68,33 @@ def test_signal_baseline_statistics_and_tolerance() -> None:
     assert SignalBaseline.from_dict(stats.to_dict()) == stats
     with pytest.raises(ValueError, match="at least one"):
         SignalBaseline.of({"a": []})
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    counts=st.lists(st.integers(0, 60), min_size=1, max_size=4),
+    share=st.sampled_from([0.1, 0.25, 0.3, 0.5, 0.7, 1.0]),
+)
+def test_drift_is_sampled_on_its_share_of_each_kind_and_both_sides(
+    counts: list[int], share: float
+) -> None:
+    kinds = [f"k{i}" for i in range(len(counts))]
+    mixed = [
+        Prompt(k, f"{k} {i}")
+        for i in range(max(counts))
+        for k, c in zip(kinds, counts, strict=True)
+        if i < c
+    ]
+    prompts = half_with_system(mixed)
+    chosen = drift_sampled(prompts, share)
+    for kind, count in zip(kinds, counts, strict=True):
+        picked = [p for p, c in zip(prompts, chosen, strict=True) if c and p.kind == kind]
+        assert abs(len(picked) - share * count) <= 2, "the share of the kind, to a pair"
+        with_system = sum(p.system is not None for p in picked)
+        assert abs(with_system - (len(picked) - with_system)) <= 1, "both sides alike"
+    assert all(drift_sampled(prompts, 1.0))
+    with pytest.raises(ValueError, match="not in"):
+        drift_sampled(prompts, 0.0)
 
 
 def test_level_baseline_round_trips_through_json() -> None:

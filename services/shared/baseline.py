@@ -91,7 +91,14 @@ def measure(
                 log.info("%s baseline: kept from an interrupted pass (%s)", level.value, key)
                 bar.update(len(prompts))
                 continue
-            answers = run_prompts(engine, level, prompts, tokens, progress=bar.update)
+            answers = run_prompts(
+                engine,
+                level,
+                prompts,
+                tokens,
+                progress=bar.update,
+                drift_share=settings.engine.baseline_drift_share,
+            )
             found[level] = summarise(level, prompts, answers, tokens, settings.signals.late_band)
             kept.save(key, found[level].to_dict())
             log.info("%s baseline: %s", level.value, describe(found[level]))

@@ -240,22 +240,42 @@ def run_prompts(
     measure_drift: bool = True,
     progress: Callable[[int], None] | None = None,
     readout: bool = False,
+    drift_share: float = 1.0,
 ) -> list[GenerationStats]:
     """Each prompt's greedy answer at `level`, with its signals, as the gateway asks for them
     and serves them: batched (`runtime.offline`), the prefix cache on, so shared prefixes hit
-    as they do when served. `readout`: also what a trust model reads, as the gateway asks."""
+    as they do when served. `readout`: also what a trust model reads, as the gateway asks.
+    `drift_share`: the share of each kind's prompts whose answers measure KL drift
+    (`drift_sampled`)."""
     drift = measure_drift and level is not Level.DENSE
+    sampled = drift_sampled(prompts, drift_share)
     requests = [
         GenerationRequest(
             messages=p.messages(),
             max_new_tokens=max_new_tokens,
             temperature=0.0,
-            measure_drift=drift,
+            measure_drift=drift and chosen,
             readout=readout,
         )
-        for p in prompts
+        for p, chosen in zip(prompts, sampled, strict=True)
     ]
     return generate_all(engine, [(r, level) for r in requests], progress=progress)
+
+
+def drift_sampled(prompts: Sequence[Prompt], share: float) -> list[bool]:
+    """Which prompts measure drift: `share` of each kind's, spread evenly over its prompts and
+    taken in neighbouring pairs, so both sides of `traffic.half_with_system` (every other
+    prompt of a kind) are measured alike. A drift pass costs a dense prefill of prompt and
+    answer; on every sparse request it took half of a sparse level's baseline pass (README)."""
+    if not 0 < share <= 1:
+        raise ValueError(f"drift share {share} is not in (0, 1]")
+    seen: Counter[str] = Counter()
+    found = []
+    for p in prompts:
+        pair = seen[p.kind] // 2
+        seen[p.kind] += 1
+        found.append(math.floor((pair + 1) * share + 1e-9) > math.floor(pair * share + 1e-9))
+    return found
 
 
 def summarise(
