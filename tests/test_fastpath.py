@@ -203,11 +203,14 @@ def test_goals_are_judged_on_the_measured_rows() -> None:
 
 def test_the_gpu_benchmark_script_runs_on_a_config(tmp_path: Path) -> None:
     """`sparse_engine.bench.speed_gpu` is run on lent GPU machines; here it runs on the CPU on the
-    tiny Llama's config, and its fast path decodes the reference's greedy tokens."""
+    tiny Llama's config, and its fast path and the static-cache `generate` (compiled on a GPU
+    only) decode the reference's greedy tokens."""
     tiny_model("llama").model.config.save_pretrained(tmp_path)
-    report = speed_gpu.run(str(tmp_path), "cpu", new_tokens=6, sparsity=0.5)
+    report = speed_gpu.run(str(tmp_path), "cpu", 6, 0.5, {"compiled", "fast"})
     rows = {(r["path"], r["weights"], r["level"]): r for r in report["rows"]}
     assert rows[("fast (pytorch)", "float32", "dense")]["greedy_tokens_equal_reference"] is True
+    static = rows[("reference, static cache compiled (CUDA graphs)", "float32", "dense")]
+    assert static["greedy_tokens_equal_reference"] is True
     sparse = rows[("fast (pytorch)", "float32", "50% every input")]
     assert (
         sparse["bytes_per_token"] < 0.8 * rows[("reference", "float32", "dense")]["bytes_per_token"]
