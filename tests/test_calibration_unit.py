@@ -7,17 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from tokenizers.processors import TemplateProcessing
 
-from sparse_engine.calibration.pipeline import (
-    SEARCH_GRID,
-    CalibrationConfig,
-    LevelSearch,
-    calibrate,
-    prepare_data,
-)
+from sparse_engine.calibration.pipeline import CalibrationConfig, calibrate, prepare_data
 from sparse_engine.calibration.store import CalibrationNotFoundError, CalibrationStore
 from sparse_engine.evaluation.perplexity import PerplexityResult, perplexity
 from sparse_engine.runtime.engine import Engine, GenerationRequest
@@ -107,29 +99,3 @@ def test_paired_change_and_its_upper_bound() -> None:
     se = float(torch.tensor([0.0, 0.02, 0.0, 0.02]).std()) / 2
     assert sparse.change_pct(dense, z=1.0) == pytest.approx(100 * (math.exp(0.01 + se) - 1))
     assert sparse.change_pct(dense, z=1.0) > point
-
-
-class _Linear(LevelSearch):
-    """A search whose upper bound grows linearly with the target, crossing the budget at
-    `edge`, and that records what it evaluated."""
-
-    def __init__(self, edge: float) -> None:  # no model: the bound is given
-        self.edge, self.seen = edge, list[float]()
-
-    def upper_pct(self, target: float) -> float:
-        self.seen.append(target)
-        return 2.0 * target / self.edge
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.floats(min_value=0.001, max_value=0.99))
-def test_the_search_refines_the_grid_step_above_the_best_grid_point(edge: float) -> None:
-    search = _Linear(edge)
-    best = search.best_within(2.0)
-    assert search.upper_pct(best) <= 2.0  # within the budget, never past the edge
-    if edge >= SEARCH_GRID[-1]:
-        assert best == SEARCH_GRID[-1]
-    else:  # a quarter of the step from the edge (the first step is 0 .. the grid's first)
-        step = SEARCH_GRID[0] if edge < SEARCH_GRID[0] else 0.025
-        assert edge - best <= step / 4 + 1e-9
-    assert len(search.seen) <= 6 + 2 + 1  # bisection over 35 points, 2 refinements, the check

@@ -121,12 +121,10 @@ class LevelSearch:
         self.change_pct(target)
         return self.results[target].change_pct(self.dense, self.confidence_z)
 
-    def best_within(self, budget_pct: float, refine: int = 2) -> float:
-        """Largest target whose perplexity increase stays within the budget with
-        `confidence_z` standard errors to spare: bisection over the grid, then `refine` more
-        halvings of the step above the best grid point (2: a quarter of the 2.5-point step).
-        The margin keeps the choice from overfitting the held-out sample: the level must hold
-        on text it has not seen."""
+    def best_within(self, budget_pct: float) -> float:
+        """Largest grid target whose perplexity increase stays within the budget with
+        `confidence_z` standard errors to spare (bisection). The margin keeps the choice from
+        overfitting the held-out sample: the level must hold on text it has not seen."""
         lo, hi = -1, len(SEARCH_GRID)
         while hi - lo > 1:
             mid = (lo + hi) // 2
@@ -134,16 +132,7 @@ class LevelSearch:
                 lo = mid
             else:
                 hi = mid
-        if hi == len(SEARCH_GRID):
-            return SEARCH_GRID[lo]
-        low, high = (SEARCH_GRID[lo] if lo >= 0 else 0.0), SEARCH_GRID[hi]
-        for _ in range(refine):
-            mid_target = round((low + high) / 2, 6)
-            if self.upper_pct(mid_target) <= budget_pct:
-                low = mid_target
-            else:
-                high = mid_target
-        return low
+        return SEARCH_GRID[lo] if lo >= 0 else 0.0
 
     def _pct(self, target: float) -> float:
         return 100.0 * (self.results[target].perplexity / self.dense.perplexity - 1.0)
