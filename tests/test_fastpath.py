@@ -216,12 +216,13 @@ def test_the_gpu_benchmark_script_runs_on_a_config(tmp_path: Path) -> None:
         sparse["bytes_per_token"] < 0.8 * rows[("reference", "float32", "dense")]["bytes_per_token"]
     )
     assert all(r["tokens_per_s"] > 0 for r in report["rows"]) and report["device"] == "cpu"
-    # the reference reads what the fast path's float32 dense rows read, and says so without them
+    # the reference reads the fast path's float32 dense weights and its norms (under 1 % here),
+    # and says so without the fast rows
     dense = rows[("fast (pytorch)", "float32", "dense")]["bytes_per_token"]
-    assert rows[("reference", "float32", "dense")]["bytes_per_token"] == pytest.approx(dense)
+    assert rows[("reference", "float32", "dense")]["bytes_per_token"] == pytest.approx(dense, 0.01)
     alone = speed_gpu.run(str(tmp_path), "cpu", 6, 0.5, set())["rows"]
     assert [r["path"] for r in alone] == ["reference"]
-    assert alone[0]["bytes_per_token"] == pytest.approx(dense)
+    assert alone[0]["bytes_per_token"] == pytest.approx(dense, 0.01)
 
 
 def test_a_build_lock_left_by_a_killed_process_does_not_block_the_next(

@@ -24,6 +24,7 @@ from sparse_engine.bench.speed import (
     fast_speed,
     goals,
     llama_cpp_speed,
+    reference_bytes,
     reference_speed,
     stream_bandwidth,
 )
@@ -32,7 +33,6 @@ from sparse_engine.data.splits import evaluation_tokens
 from sparse_engine.model.catalog import gguf_file
 from sparse_engine.model.known import KNOWN
 from sparse_engine.runtime import kernels
-from sparse_engine.runtime.engine import Engine
 from sparse_engine.runtime.fast_weights import DTYPES, unsupported_reason
 from sparse_engine.runtime.fastpath import FastDecoder
 from sparse_engine.sparsity.plan import SPARSE_LEVELS, Level
@@ -163,7 +163,7 @@ def run_speed(args: argparse.Namespace, settings: Settings) -> int:
         bandwidth = stream_bandwidth(native)
         bar.update()
         tps = reference_speed(eng, messages, Level.DENSE, args.new_tokens, args.repeats)
-        rows.append(SpeedRow("reference", "dense", tps, _dense_bytes(eng), bandwidth))
+        rows.append(SpeedRow("reference", "dense", tps, reference_bytes(eng.lm.model), bandwidth))
         bar.update()
         if native is not None and fast_ok is None:  # the PyTorch fallback, for comparison
             decoder = FastDecoder(eng.lm, max_len)
@@ -197,16 +197,6 @@ def run_speed(args: argparse.Namespace, settings: Settings) -> int:
         bar.update()
     _report(rows, args.json, bandwidth, "; ".join(notes))
     return 0
-
-
-def _dense_bytes(eng: Engine) -> float:
-    """Weights a Hugging Face decode step reads: every parameter but the embedding lookup's
-    (the tied head is read whole)."""
-    model: Any = eng.lm.model
-    embed = model.get_input_embeddings().weight
-    tied = embed.data_ptr() == model.get_output_embeddings().weight.data_ptr()
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    return float(total if tied else total - embed.numel() * embed.element_size())
 
 
 def _report(rows: list[SpeedRow], as_json: bool, bandwidth: float, notes: str) -> None:

@@ -43,6 +43,15 @@ class SpeedRow:
         return self.tokens_per_s / self.ceiling_tokens_per_s
 
 
+def reference_bytes(model: Any) -> float:
+    """Weights a Hugging Face decode step reads: every parameter but the embedding lookup's
+    (the tied head is read whole)."""
+    embed = model.get_input_embeddings().weight
+    tied = embed.data_ptr() == model.get_output_embeddings().weight.data_ptr()
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return float(total if tied else total - embed.numel() * embed.element_size())
+
+
 def stream_bandwidth(native: Any = None, megabytes: int = 256, repeats: int = 5) -> float:
     """Bytes/s a float32 matrix-vector product streams here (the shape of a decode step): the
     best of PyTorch's and, when given, the compiled kernel's."""

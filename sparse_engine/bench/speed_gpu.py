@@ -10,7 +10,8 @@ compiled kernels are for the CPU), dense and with thresholds at `--sparsity` of 
 projection's input on this model, float32 and bfloat16 (`--no-fast` leaves these out);
 `--compiled` adds transformers' static-cache `generate`, compiled with CUDA graphs on a GPU. Every
 row gives the weight bytes a token reads, and the report the measured matrix-vector bandwidth.
-Each row's greedy tokens are compared to the reference's. Prints one JSON object."""
+The fast float32 dense and the compiled rows' greedy tokens are compared to the reference's.
+Prints one JSON object."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
+from sparse_engine.bench.speed import reference_bytes
 from sparse_engine.calibration.allocation import thresholds_for, uniform_targets
 from sparse_engine.calibration.stats import collect_stats
 from sparse_engine.model.arch import find_layers
@@ -121,12 +123,7 @@ def run(
         "new_tokens": new_tokens,
         "rows": [],
     }
-    # The reference and the compiled rows read every projection and the head in float32.
-    matrices = [
-        w for part in find_layers(model) for role in ROLES for w in part.get(role).parameters()
-    ]
-    matrices.append(model.get_output_embeddings().weight)
-    dense_bytes = 4.0 * sum(w.numel() for w in matrices if w.dim() == 2)  # biases aside
+    dense_bytes = reference_bytes(model)  # the reference's and the compiled rows' reads
     reference(model, prompt, 8)  # warm-up
     ref_tps, ref_tokens = reference(model, prompt, new_tokens)
     row = {
