@@ -11,12 +11,15 @@ from tokenizers.processors import TemplateProcessing
 
 from sparse_engine.calibration.pipeline import CalibrationConfig, calibrate, prepare_data
 from sparse_engine.calibration.store import CalibrationNotFoundError, CalibrationStore
+from sparse_engine.data.splits import calibration_split
 from sparse_engine.evaluation.perplexity import PerplexityResult, perplexity
 from sparse_engine.runtime.engine import Engine, GenerationRequest
 from sparse_engine.sparsity.plan import Level, SparsityPlan
 from tests.tiny import sample_texts, tiny_model
 
-CFG = CalibrationConfig(samples=6, seq_len=96, heldout_tokens=256, max_rows=64)
+CFG = CalibrationConfig(
+    samples=6, seq_len=96, heldout_tokens=256, heldout_doc_tokens=96, max_rows=64
+)
 
 
 def test_prepare_data_keeps_samples_and_heldout_disjoint() -> None:
@@ -26,6 +29,48 @@ def test_prepare_data_keeps_samples_and_heldout_disjoint() -> None:
     assert len(data.batches) == 6 and data.heldout.numel() == 256
     with pytest.raises(ValueError, match="lower --samples"):
         prepare_data(lm.tokenizer, texts[:3], CFG, "tiny")
+
+
+def test_heldout_documents_are_cut_like_samples_and_none_is_a_sample() -> None:
+    """One long document cannot fill the held-out text: each is cut at one window, so the
+    held-out tokens come from several documents, none of them among the samples."""
+    texts = [f"{i} " * 400 for i in range(1, 13)]  # 12 documents of 800 characters
+
+    def encode(text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    batches, heldout = calibration_split(
+        encode,
+        texts,
+        samples=4,
+        seq_len=64,
+        min_tokens=8,
+        heldout_tokens=256,
+        heldout_doc_tokens=96,
+    )
+    assert [len(d) for d in heldout] == [96, 96, 64]
+    assert len(batches) == 4 and all(len(b) == 64 for b in batches)
+    assert not {tuple(d) for d in heldout} & {tuple(b) for b in batches}
+    lm = tiny_model()
+    data = prepare_data(lm.tokenizer, sample_texts(12), CFG, "tiny")
+    assert sum(data.documents) == data.heldout.numel() == 256
+    assert len(data.documents) > 1 and max(data.documents) <= CFG.heldout_doc_tokens
+
+
+def test_heldout_documents_group_the_scored_tokens() -> None:
+    """The held-out text is scored as one stream, as before; its documents only group the
+    scored tokens (the first token of the stream is never scored) for the standard error."""
+    lm = tiny_model()
+    data = prepare_data(lm.tokenizer, sample_texts(12), CFG, "tiny")
+    got = perplexity(
+        lm.model, lm.layers, data.heldout, SparsityPlan(), chunk=48, documents=data.documents
+    )
+    flat = perplexity(lm.model, lm.layers, data.heldout, SparsityPlan(), chunk=48)
+    first, *rest = data.documents
+    assert got.documents == (first - 1, *rest) and flat.documents == ()
+    assert torch.equal(got.token_nll, flat.token_nll) and sum(got.documents) == got.num_tokens
+    with pytest.raises(ValueError, match="documents hold"):
+        perplexity(lm.model, lm.layers, data.heldout, SparsityPlan(), documents=(3, 4))
 
 
 def test_a_bos_prefix_comes_before_every_sample_and_scored_chunk() -> None:
@@ -99,3 +144,19 @@ def test_paired_change_and_its_upper_bound() -> None:
     se = float(torch.tensor([0.0, 0.02, 0.0, 0.02]).std()) / 2
     assert sparse.change_pct(dense, z=1.0) == pytest.approx(100 * (math.exp(0.01 + se) - 1))
     assert sparse.change_pct(dense, z=1.0) > point
+
+
+def test_the_margin_counts_documents_not_tokens() -> None:
+    """Two documents, one hurt and one not: per token the differences look like many
+    independent draws; by document there are two, and the margin is wider."""
+    dense_nll = torch.zeros(8, dtype=torch.float64)
+    diff = torch.tensor([0.02] * 4 + [0.0] * 4, dtype=torch.float64)
+    dense = PerplexityResult(1.0, 0.0, 8, dense_nll, (4, 4))
+    sparse = PerplexityResult(1.0, 0.5, 8, dense_nll + diff, (4, 4))
+    # cluster-robust: sum of deviations per document is +0.04 and -0.04
+    se = math.sqrt(2 / 1 * (0.04**2 + 0.04**2)) / 8
+    assert sparse.change_pct(dense, z=1.0) == pytest.approx(100 * (math.exp(0.01 + se) - 1))
+    per_token = float(diff.std()) / math.sqrt(8)
+    assert se > per_token
+    tokens = PerplexityResult(1.0, 0.5, 8, dense_nll + diff)
+    assert tokens.change_pct(dense, z=1.0) == pytest.approx(100 * (math.exp(0.01 + per_token) - 1))

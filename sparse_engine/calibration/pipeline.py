@@ -39,13 +39,14 @@ class CalibrationConfig:
     seq_len: int = 256
     min_tokens: int = 32
     heldout_tokens: int = 4096
+    heldout_doc_tokens: int = 512  # one perplexity window of each held-out document, at most
     sparsifier: str = "threshold"
     roles: tuple[str, ...] = ("down",)
     budgets_pct: dict[Level, float] = field(default_factory=lambda: dict(DEFAULT_BUDGETS_PCT))
     silence_quantile: float = 0.5
     max_rows: int = 256
     sensitivity_tokens: int = 256
-    confidence_z: float = 1.0  # standard errors of margin under each level's budget
+    confidence_z: float = 1.645  # standard errors of margin under each budget (one-sided 95 %)
     gates_path: str | None = None  # the gate artefact of the "gates" sparsifier
 
 
@@ -55,6 +56,7 @@ class CalibrationData:
     heldout: torch.Tensor
     name: str
     prefix: tuple[int, ...] = ()  # the model's <bos>, before each batch and scored chunk
+    documents: tuple[int, ...] = ()  # the held-out documents' lengths, for the standard error
 
 
 def prepare_data(
@@ -73,6 +75,7 @@ def prepare_data(
             seq_len=cfg.seq_len,
             min_tokens=cfg.min_tokens,
             heldout_tokens=cfg.heldout_tokens,
+            heldout_doc_tokens=cfg.heldout_doc_tokens,
         )
     except CorpusTooSmallError as exc:
         raise ValueError(
@@ -80,7 +83,11 @@ def prepare_data(
         ) from exc
     head = list(bos_prefix(tokenizer))
     return CalibrationData(
-        [torch.tensor([head + ids]) for ids in batches], torch.tensor(heldout), name, tuple(head)
+        [torch.tensor([head + ids]) for ids in batches],
+        torch.tensor([t for doc in heldout for t in doc]),
+        name,
+        tuple(head),
+        tuple(len(doc) for doc in heldout),
     )
 
 
@@ -94,7 +101,7 @@ class LevelSearch:
         data: CalibrationData,
         dense: PerplexityResult,
         plan_at: Callable[[float], SparsityPlan],
-        confidence_z: float = 1.0,
+        confidence_z: float = 1.645,
     ) -> None:
         self.name, self.lm, self.data, self.dense, self.plan_at = name, lm, data, dense, plan_at
         self.confidence_z = confidence_z
@@ -104,7 +111,12 @@ class LevelSearch:
         if target not in self.results:
             plan = self.plan_at(target)
             self.results[target] = perplexity(
-                self.lm.model, self.lm.layers, self.data.heldout, plan, prefix=self.data.prefix
+                self.lm.model,
+                self.lm.layers,
+                self.data.heldout,
+                plan,
+                prefix=self.data.prefix,
+                documents=self.data.documents,
             )
             log.info(
                 "%s allocation, target %.3f: sparsity %.3f, perplexity %+.2f%% (upper %+.2f%%)",
@@ -154,8 +166,20 @@ def calibrate(
         quantile_threshold(stats.histogram("down", p.index), cfg.silence_quantile)
         for p in lm.layers
     )
-    dense = perplexity(lm.model, lm.layers, data.heldout, SparsityPlan(), prefix=data.prefix)
-    log.info("dense perplexity %.3f on %d held-out tokens", dense.perplexity, dense.num_tokens)
+    dense = perplexity(
+        lm.model,
+        lm.layers,
+        data.heldout,
+        SparsityPlan(),
+        prefix=data.prefix,
+        documents=data.documents,
+    )
+    log.info(
+        "dense perplexity %.3f on %d held-out tokens of %d documents",
+        dense.perplexity,
+        dense.num_tokens,
+        len(data.documents),
+    )
     searches = [
         LevelSearch(name, lm, data, dense, plan_at, cfg.confidence_z)
         for name, plan_at in _plan_builders(lm, stats, cfg, silence, data).items()
@@ -166,7 +190,7 @@ def calibrate(
         search, target = _best(searches, budget)
         plan = search.plan_at(target)
         result = search.results.get(target) or perplexity(
-            lm.model, lm.layers, data.heldout, plan, prefix=data.prefix
+            lm.model, lm.layers, data.heldout, plan, prefix=data.prefix, documents=data.documents
         )
         cal = Calibration(
             model_id=lm.model_id,
@@ -275,6 +299,7 @@ def _data_record(
         "samples": len(data.batches),
         "calibration_tokens": stats.num_tokens,
         "heldout_tokens": int(data.heldout.numel()),
+        "heldout_documents": len(data.documents),
         "seq_len": cfg.seq_len,
         "roles": list(cfg.roles),
         "confidence_z": cfg.confidence_z,

@@ -71,7 +71,12 @@ def measure(lm: LoadedModel, data: CalibrationData, metric: str) -> Any:
     """The metric's raw observation under whatever hooks are active."""
     if metric == "perplexity":
         return perplexity(
-            lm.model, lm.layers, data.heldout, SparsityPlan(), prefix=data.prefix
+            lm.model,
+            lm.layers,
+            data.heldout,
+            SparsityPlan(),
+            prefix=data.prefix,
+            documents=data.documents,
         ).perplexity
     if metric == "answers":
         return greedy_answers(lm.model, answer_prompts(data.heldout))

@@ -31,16 +31,26 @@ def calibration_split(
     seq_len: int,
     min_tokens: int,
     heldout_tokens: int,
-) -> tuple[list[list[int]], list[int]]:
-    """`samples` token sequences (each one document's first `seq_len` tokens, at least
-    `min_tokens` long) from the front, and `heldout_tokens` tokens from the back; the two
-    never share a document."""
+    heldout_doc_tokens: int = 512,
+) -> tuple[list[list[int]], list[list[int]]]:
+    """`samples` token sequences from the front, each one document's first `seq_len` tokens,
+    and held-out pieces from the back, each the middle `heldout_doc_tokens` of one document
+    (the last cut so that they hold `heldout_tokens` in all); all at least `min_tokens` long,
+    and the two never share a document. A window of each of many documents, not one long
+    article, makes the held-out text like the corpus, and lets their differences show in the
+    standard error; a window each, not shorter pieces, keeps document boundaries (whose tokens
+    sparsity barely changes) as rare as in the text the benchmarks score."""
     texts = shuffled(texts)
-    heldout: list[int] = []
-    back = len(texts)
-    while len(heldout) < heldout_tokens and back > 0:
+    heldout: list[list[int]] = []
+    total, back = 0, len(texts)
+    while total < heldout_tokens and back > 0:
         back -= 1
-        heldout = encode(texts[back]) + heldout
+        ids = encode(texts[back])
+        start = max(0, (len(ids) - heldout_doc_tokens) // 2)
+        ids = ids[start : start + heldout_doc_tokens]
+        if len(ids) >= min_tokens:
+            heldout.append(ids[: heldout_tokens - total])
+            total += len(heldout[-1])
     batches = []
     for text in texts[:back]:
         ids = encode(text)[:seq_len]
@@ -48,11 +58,11 @@ def calibration_split(
             batches.append(ids)
         if len(batches) == samples:
             break
-    if len(batches) < samples or len(heldout) < heldout_tokens:
+    if len(batches) < samples or total < heldout_tokens:
         raise CorpusTooSmallError(
-            f"{len(batches)} samples of >= {min_tokens} tokens and {len(heldout)} held-out tokens"
+            f"{len(batches)} samples of >= {min_tokens} tokens and {total} held-out tokens"
         )
-    return batches, heldout[-heldout_tokens:]
+    return batches, heldout
 
 
 def front_documents(texts: list[str], count: int) -> list[str]:

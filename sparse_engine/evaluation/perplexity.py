@@ -22,13 +22,28 @@ class PerplexityResult:
     sparsity: float
     num_tokens: int
     token_nll: torch.Tensor  # per scored token, float64, for paired comparisons
+    documents: tuple[int, ...] = ()  # scored tokens per document, where documents are known
 
     def change_pct(self, dense: PerplexityResult, z: float = 0.0) -> float:
         """Perplexity increase over `dense` in percent; with z > 0, the upper bound of its
-        z-standard-error interval from the paired per-token NLL differences."""
+        z-standard-error interval from the paired per-token NLL differences (clustered by
+        document where documents are known: tokens of one document are not independent,
+        documents are)."""
         diff = self.token_nll - dense.token_nll
-        margin = z * float(diff.std()) / math.sqrt(diff.numel()) if diff.numel() > 1 else 0.0
-        return 100.0 * (math.exp(float(diff.mean()) + margin) - 1.0)
+        return 100.0 * (
+            math.exp(float(diff.mean()) + z * _standard_error(diff, self.documents)) - 1.0
+        )
+
+
+def _standard_error(diff: torch.Tensor, documents: tuple[int, ...]) -> float:
+    """Standard error of the mean of `diff`; over documents (cluster-robust) when there are
+    two or more, else over tokens."""
+    n = diff.numel()
+    if len(documents) > 1:
+        sums = torch.stack([d.sum() for d in torch.split(diff - diff.mean(), list(documents))])
+        g = len(documents)
+        return math.sqrt(g / (g - 1) * float((sums**2).sum())) / n
+    return float(diff.std()) / math.sqrt(n) if n > 1 else 0.0
 
 
 def perplexity(
@@ -38,23 +53,26 @@ def perplexity(
     plan: SparsityPlan,
     chunk: int = 512,
     prefix: Sequence[int] = (),
+    documents: Sequence[int] = (),
 ) -> PerplexityResult:
     """exp(mean next-token NLL) over `token_ids` (1-D), scored in independent chunks, each
-    after `prefix` (the model's <bos>, where it has one), which is not scored."""
+    after `prefix` (the model's <bos>, where it has one), which is not scored. `documents`
+    (their lengths, summing to the tokens) make the standard error one over documents."""
     head = torch.tensor(list(prefix), dtype=token_ids.dtype).unsqueeze(0)
     if token_ids.numel() < 2:
         raise ValueError("held-out text is too short to measure perplexity (need >= 2 tokens)")
+    if documents and sum(documents) != token_ids.numel():
+        raise ValueError(f"documents hold {sum(documents)} tokens, the text {token_ids.numel()}")
     recorder = SignalRecorder(len(layers))
     losses: list[torch.Tensor] = []
     with torch.inference_mode(), sparsified(layers, plan, recorder):
         for start in range(0, token_ids.numel() - 1, chunk):
             ids = token_ids[start : start + chunk + 1].unsqueeze(0)
-            if ids.shape[1] < 2:
-                break
             logits = model(input_ids=torch.cat([head, ids[:, :-1]], dim=1)).logits
             scored = logits[0, head.shape[1] :].float()
             losses.append(F.cross_entropy(scored, ids[0, 1:], reduction="none"))
     token_nll = torch.cat(losses).double()
     summary = recorder.summary()
     ppl = math.exp(float(token_nll.mean()))
-    return PerplexityResult(ppl, summary.sparsity_ratio, token_nll.numel(), token_nll)
+    groups = tuple(n for n in (documents[0] - 1, *documents[1:]) if n) if documents else ()
+    return PerplexityResult(ppl, summary.sparsity_ratio, token_nll.numel(), token_nll, groups)
