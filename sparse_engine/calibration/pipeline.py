@@ -58,6 +58,12 @@ class CalibrationData:
     prefix: tuple[int, ...] = ()  # the model's <bos>, before each batch and scored chunk
     documents: tuple[int, ...] = ()  # the held-out documents' lengths, for the standard error
 
+    def heldout_perplexity(self, lm: LoadedModel, plan: SparsityPlan) -> PerplexityResult:
+        """The held-out text's perplexity under `plan`, its error taken over documents."""
+        return perplexity(
+            lm.model, lm.layers, self.heldout, plan, prefix=self.prefix, documents=self.documents
+        )
+
 
 def prepare_data(
     tokenizer: Any, texts: list[str], cfg: CalibrationConfig, name: str
@@ -110,14 +116,7 @@ class LevelSearch:
     def change_pct(self, target: float) -> float:
         if target not in self.results:
             plan = self.plan_at(target)
-            self.results[target] = perplexity(
-                self.lm.model,
-                self.lm.layers,
-                self.data.heldout,
-                plan,
-                prefix=self.data.prefix,
-                documents=self.data.documents,
-            )
+            self.results[target] = self.data.heldout_perplexity(self.lm, plan)
             log.info(
                 "%s allocation, target %.3f: sparsity %.3f, perplexity %+.2f%% (upper %+.2f%%)",
                 self.name,
@@ -166,14 +165,7 @@ def calibrate(
         quantile_threshold(stats.histogram("down", p.index), cfg.silence_quantile)
         for p in lm.layers
     )
-    dense = perplexity(
-        lm.model,
-        lm.layers,
-        data.heldout,
-        SparsityPlan(),
-        prefix=data.prefix,
-        documents=data.documents,
-    )
+    dense = data.heldout_perplexity(lm, SparsityPlan())
     log.info(
         "dense perplexity %.3f on %d held-out tokens of %d documents",
         dense.perplexity,
@@ -189,9 +181,7 @@ def calibrate(
         budget = cfg.budgets_pct[level]
         search, target = _best(searches, budget)
         plan = search.plan_at(target)
-        result = search.results.get(target) or perplexity(
-            lm.model, lm.layers, data.heldout, plan, prefix=data.prefix, documents=data.documents
-        )
+        result = search.results.get(target) or data.heldout_perplexity(lm, plan)
         cal = Calibration(
             model_id=lm.model_id,
             weights_sha256=lm.weights_sha256,

@@ -31,7 +31,6 @@ from sparse_engine.compression.silence import (
     flag_silent,
     protected_layers,
 )
-from sparse_engine.evaluation.perplexity import perplexity
 from sparse_engine.model.arch import LayerParts
 from sparse_engine.model.loader import LoadedModel
 from sparse_engine.sparsity.plan import SparsityPlan
@@ -70,14 +69,7 @@ def _zero_hook(index: list[int]) -> Any:
 def measure(lm: LoadedModel, data: CalibrationData, metric: str) -> Any:
     """The metric's raw observation under whatever hooks are active."""
     if metric == "perplexity":
-        return perplexity(
-            lm.model,
-            lm.layers,
-            data.heldout,
-            SparsityPlan(),
-            prefix=data.prefix,
-            documents=data.documents,
-        ).perplexity
+        return data.heldout_perplexity(lm, SparsityPlan()).perplexity
     if metric == "answers":
         return greedy_answers(lm.model, answer_prompts(data.heldout))
     raise ValueError(f"unknown ablation metric '{metric}'; choose one of: {', '.join(METRICS)}")
