@@ -31,10 +31,12 @@ def test_prepare_data_keeps_samples_and_heldout_disjoint() -> None:
         prepare_data(lm.tokenizer, texts[:3], CFG, "tiny")
 
 
-def test_heldout_documents_are_cut_like_samples_and_none_is_a_sample() -> None:
-    """One long document cannot fill the held-out text: each is cut at one window, so the
-    held-out tokens come from several documents, none of them among the samples."""
-    texts = [f"{i} " * 400 for i in range(1, 13)]  # 12 documents of 800 characters
+def test_heldout_documents_are_cut_at_a_middle_window_and_none_is_a_sample() -> None:
+    """One long document cannot fill the held-out text: each gives its middle window, so
+    the held-out tokens come from several documents, none of them among the samples."""
+    # 12 documents of 801 characters, each named by a letter that also fills its middle
+    # (characters 351..450)
+    texts = [n + "x" * 350 + n * 100 + "y" * 350 for n in "ABCDEFGHIJKL"]
 
     def encode(text: str) -> list[int]:
         return [ord(c) for c in text]
@@ -49,8 +51,11 @@ def test_heldout_documents_are_cut_like_samples_and_none_is_a_sample() -> None:
         heldout_doc_tokens=96,
     )
     assert [len(d) for d in heldout] == [96, 96, 64]
+    heldout_names = [set(d) for d in heldout]
+    assert all(len(names) == 1 for names in heldout_names)  # the middle window, nothing else
     assert len(batches) == 4 and all(len(b) == 64 for b in batches)
-    assert not {tuple(d) for d in heldout} & {tuple(b) for b in batches}
+    sample_names = {b[0] for b in batches}  # each sample starts at its document's start
+    assert len(sample_names) == 4 and not sample_names & set().union(*heldout_names)
     lm = tiny_model()
     data = prepare_data(lm.tokenizer, sample_texts(12), CFG, "tiny")
     assert sum(data.documents) == data.heldout.numel() == 256

@@ -107,7 +107,7 @@ class LevelSearch:
         data: CalibrationData,
         dense: PerplexityResult,
         plan_at: Callable[[float], SparsityPlan],
-        confidence_z: float = 1.645,
+        confidence_z: float,
     ) -> None:
         self.name, self.lm, self.data, self.dense, self.plan_at = name, lm, data, dense, plan_at
         self.confidence_z = confidence_z
