@@ -239,3 +239,24 @@ def test_a_build_lock_left_by_a_killed_process_does_not_block_the_next(
     code = "from sparse_engine.runtime import kernels; kernels.build()"
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
     assert not (tmp_path / "lock").exists()
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_position_0_is_never_sparsified(engine: Engine, native: Any, compiled: bool) -> None:
+    """The attention sink stays dense on every path: under thresholds that zero every input,
+    position 0's logits and keys are the dense model's, and position 1's are not."""
+    lm, ids = engine.lm, engine.encode_text(TEXT)
+    everything = SparsityPlan(Level.BALANCED, {role: (1e9,) * lm.num_layers for role in ROLES})
+    dense, _ = _reference(engine, SparsityPlan())
+    zeroed, _ = _reference(engine, everything)
+    torch.testing.assert_close(zeroed[0], dense[0])
+    assert not torch.allclose(zeroed[1], dense[1], atol=1e-3)
+    decoder = FastDecoder(lm, max_len=64, native=native if compiled else None)
+    torch.testing.assert_close(decoder.prefill(ids[:1], everything), dense[0], atol=1e-4, rtol=1e-4)
+    decoder.reset()
+    decoder.prefill(ids[:5], SparsityPlan())
+    dense_keys = decoder.keys[:, :, :2].clone()
+    decoder.reset()
+    decoder.prefill(ids[:5], everything)
+    torch.testing.assert_close(decoder.keys[:, :, 0], dense_keys[:, :, 0])
+    assert not torch.allclose(decoder.keys[:, :, 1], dense_keys[:, :, 1], atol=1e-3)

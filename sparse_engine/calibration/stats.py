@@ -42,8 +42,9 @@ def collect_stats(
     seed: int = 0,
     progress: Callable[[int], None] | None = None,
 ) -> ActivationStats:
-    """Run `batches` (token id tensors, shape (1, T)) through the model and gather input
-    statistics of each role's projection in each layer."""
+    """Run `batches` (token id tensors, shape (1, T), each a sequence from position 0) through
+    the model and gather input statistics of each role's projection in each layer, leaving out
+    position 0, which the sparsifier never touches (`sparsity.hooks`)."""
     stats = ActivationStats()
     generator = torch.Generator().manual_seed(seed)
     handles = []
@@ -87,7 +88,10 @@ def _stats_hook(
     stats: ActivationStats, key: tuple[str, int], max_rows: int, generator: torch.Generator
 ) -> Any:
     def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-        rows = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+        x = args[0].detach()
+        if x.dim() == 3 and x.shape[1] > 1:
+            x = x[:, 1:]  # position 0 stays dense
+        rows = x.reshape(-1, x.shape[-1]).float()
         unit = stats.units.get(key)
         if unit is None:
             unit = stats.units[key] = UnitStats(

@@ -1,15 +1,16 @@
-"""A lean decode path for Llama-family decoders (Llama, Mistral, Qwen2 with its q/k/v
-biases) and Gemma 3 (scaled embeddings, `1 + w` norms, q/k norms, norms after each block,
-GELU-tanh, sliding-window layers with their own rotary base). The weights are taken out of the
-Hugging Face model once, stored input-major (row i of a projection is what its input i adds)
-in float32, bfloat16 or int8, with q/k/v and gate/up fused; the KV cache is preallocated. A
+"""A lean decode path for Llama-family decoders (Llama, Mistral, Qwen2 with its q/k/v biases) and
+Gemma 3 (scaled embeddings, `1 + w` norms, q/k norms, norms after each block, GELU-tanh,
+sliding-window layers with their own rotary base). The weights are taken out of the Hugging
+Face model once, stored input-major (row i of a projection is what its input i adds) in
+float32, bfloat16 or int8, with q/k/v and gate/up fused; the KV cache is preallocated. A
 calibrated plan's thresholds on projection inputs (any of q, k, v, o, gate, up, down) decide
 which weight rows a decode step reads. With the compiled module (`runtime.kernels`) a decode
-step is one call that runs every layer and reads only the rows of kept activations; without
-it, one Python loop over the layers with a PyTorch row gather. A prefill is the masked dense
-product, as the hooks compute it. Signals are recorded as the hooks record them, summed per
-layer and handed to the recorder once per step. Another family (or logit soft-capping) is
-refused: the engine says so at start and serves it on the reference path."""
+step is one call that runs every layer and reads only the rows of kept activations; without it,
+one Python loop over the layers with a PyTorch row gather. A prefill is the masked dense
+product, as the hooks compute it, position 0 (the attention sink) unmasked as there. Signals
+are recorded as the hooks record them, summed per layer and handed to the recorder once per
+step. Another family (or logit soft-capping) is refused: the engine says so at start and serves
+it on the reference path."""
 
 from __future__ import annotations
 
@@ -164,7 +165,7 @@ class FastDecoder:
         recorder: SignalRecorder | None = None,
         readout: Readout | None = None,
     ) -> torch.Tensor:
-        if self.native is None:
+        if self.native is None or self.length == 0:  # position 0 is a prefill's, dense
             ids = torch.tensor([token], device=self.device)
             return self._forward(ids, plan, recorder, readout)
         pos = self.length
@@ -224,20 +225,21 @@ class FastDecoder:
             raise ValueError(f"the sequence would exceed the fast path's {self.max_len} tokens")
         self._check(plan)
         counts = LayerCounts.empty(len(self.layers)) if recorder is not None else None
+        sink = start == 0
         x = self._embed(ids)
         for i, layer in enumerate(self.layers):
             limits = {role: t[i] for role, t in plan.thresholds.items()}
             h = self._norm(x, layer.attn_norm)
-            qkv = self._project(i, layer.qkv, h, limits, counts)
+            qkv = self._project(i, layer.qkv, h, limits, counts, sink)
             attn = self._attention(i, qkv, start, readout)
-            o = self._project(i, layer.o, attn, limits, counts)
+            o = self._project(i, layer.o, attn, limits, counts, sink)
             x = x + self._norm(o, layer.post_attn_norm)
             h = self._norm(x, layer.mlp_norm)
-            gate, up = self._project(i, layer.gate_up, h, limits, counts).chunk(2, dim=-1)
+            gate, up = self._project(i, layer.gate_up, h, limits, counts, sink).chunk(2, dim=-1)
             a = self._activation(gate) * up
             if recorder is not None:
                 torch.sum(a.abs(), 0, out=self.channels[i])
-            down = self._project(i, layer.down, a, limits, counts)
+            down = self._project(i, layer.down, a, limits, counts, sink)
             x = x + self._norm(down, layer.post_mlp_norm)
             if readout is not None and readout.wants(start, n):
                 readout.observe_hidden(i, x, start)
@@ -269,19 +271,21 @@ class FastDecoder:
         x: torch.Tensor,
         limits: dict[str, float],
         counts: LayerCounts | None,
+        sink: bool = False,
     ) -> torch.Tensor:
-        """x (n, in) through the fused matrix, each part at its role's threshold."""
+        """x (n, in) through the fused matrix, each part at its role's threshold; with `sink`,
+        the first row (position 0) unmasked."""
         width = x.shape[-1]
         if len({limits.get(role) for role, _, _ in m.parts}) == 1:  # one product for all parts
             groups = [(limits.get(m.parts[0][0]), 0, m.parts[-1][2], len(m.parts))]
         else:
             groups = [(limits.get(role), begin, end, 1) for role, begin, end in m.parts]
         if x.shape[0] > 1:
-            return self._project_many(i, m, x, groups, counts)
+            return self._project_many(i, m, x, groups, counts, sink)
         outputs = []
         for limit, begin, end, parts in groups:
             y, kept, kept_abs, total_abs = self.kernel(
-                x[0], m.rows, m.scale, -1.0 if limit is None else limit, begin, end
+                x[0], m.rows, m.scale, -1.0 if limit is None or sink else limit, begin, end
             )
             outputs.append(y if m.bias is None else y + m.bias[begin:end])
             if i >= 0:
@@ -300,6 +304,7 @@ class FastDecoder:
         x: torch.Tensor,
         groups: list[tuple[float | None, int, int, int]],
         counts: LayerCounts | None,
+        sink: bool,
     ) -> torch.Tensor:
         """A prefill: the masked dense product, as the hooks compute it."""
         outputs = []
@@ -309,6 +314,8 @@ class FastDecoder:
                 continue
             magnitude = x.abs()
             kept = magnitude > limit
+            if sink:
+                kept[0] = True
             outputs.append(m.product(x * kept, begin, end))
             if counts is not None:
                 share = float(signals.kept_magnitude_share(magnitude, kept).sum())

@@ -33,6 +33,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from sparse_engine.model.arch import LayerParts, input_width
+from sparse_engine.sparsity.sink import keep_sink
 
 THRESHOLD = 0.1
 DEFAULT_RANK = 64
@@ -139,9 +140,11 @@ def attach(
     recorder: GateObserver | None = None,
     straight_through: bool = False,
     actives: list[torch.Tensor] | None = None,
+    sink: list[bool] | None = None,
 ) -> list[RemovableHandle]:
     """Gate `part`'s MLP: the logits come from the MLP's input, the mask goes on the
-    down-projection's input. `actives` collects each call's (straight-through) kept share."""
+    down-projection's input. `actives` collects each call's (straight-through) kept share.
+    `sink` (served plans, `sparsity.sink`): position 0 stays open when the call holds it."""
     held: list[torch.Tensor] = []
 
     def before_mlp(module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -149,7 +152,7 @@ def attach(
 
     def before_down(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         x, g = args[0], torch.sigmoid(held.pop())
-        kept = g > THRESHOLD
+        kept = g > THRESHOLD if sink is None else keep_sink(g > THRESHOLD, sink)
         mask = kept.to(g.dtype)
         if straight_through:
             mask = mask + g - g.detach()

@@ -2,7 +2,9 @@
 (threshold sparsifier) or the MLP channels whose learned gate is closed (`sparsity.gates`),
 forward hooks keep the Top-K dims of attention/MLP block outputs before the residual add.
 Leaving `sparsified(...)` removes every hook. `read_out(...)` reads the trust readout
-(`sparsity.readout`) off the same passes the same way."""
+(`sparsity.readout`) off the same passes the same way.
+
+The first position of a sequence is never sparsified (`sparsity.sink`)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from sparse_engine.sparsity import gates
 from sparse_engine.sparsity.plan import SparsityPlan
 from sparse_engine.sparsity.readout import Readout
 from sparse_engine.sparsity.recorder import SignalRecorder
+from sparse_engine.sparsity.sink import keep_sink, sink_hook
 
 
 @contextmanager
@@ -39,12 +42,13 @@ def sparsified(
 def _attach(
     part: LayerParts, plan: SparsityPlan, recorder: SignalRecorder | None
 ) -> list[RemovableHandle]:
-    handles = []
+    sink = [False]  # whether this layer's current call holds position 0 as its first row
+    handles = [part.get("block").register_forward_pre_hook(sink_hook(sink), with_kwargs=True)]
     for role, per_layer in plan.thresholds.items():
-        hook = _threshold_hook(part.index, per_layer[part.index], recorder, role == "down")
+        hook = _threshold_hook(part.index, per_layer[part.index], recorder, role == "down", sink)
         handles.append(part.get(role).register_forward_pre_hook(hook))
     if plan.gates is not None:
-        handles.extend(gates.attach(part, plan.gates, plan.gate_offset, recorder))
+        handles.extend(gates.attach(part, plan.gates, plan.gate_offset, recorder, sink=sink))
     elif recorder is not None and "down" not in plan.thresholds:
         hook = _channel_hook(part.index, recorder)
         handles.append(part.get("down").register_forward_pre_hook(hook))
@@ -52,18 +56,22 @@ def _attach(
         k = plan.topk[part.index]
         for role in ("attn", "mlp"):
             handles.append(
-                part.get(role).register_forward_hook(_topk_hook(part.index, k, recorder))
+                part.get(role).register_forward_hook(_topk_hook(part.index, k, recorder, sink))
             )
     return handles
 
 
 def _threshold_hook(
-    layer: int, threshold: float, recorder: SignalRecorder | None, is_mlp_input: bool
+    layer: int,
+    threshold: float,
+    recorder: SignalRecorder | None,
+    is_mlp_input: bool,
+    sink: list[bool],
 ) -> Any:
     def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         x = args[0]
         magnitude = x.abs()
-        kept = magnitude > threshold
+        kept = keep_sink(magnitude > threshold, sink)
         if recorder is not None:
             recorder.observe_sparsified(layer, magnitude, kept)
             if is_mlp_input:
@@ -80,7 +88,7 @@ def _channel_hook(layer: int, recorder: SignalRecorder) -> Any:
     return hook
 
 
-def _topk_hook(layer: int, k: int, recorder: SignalRecorder | None) -> Any:
+def _topk_hook(layer: int, k: int, recorder: SignalRecorder | None, sink: list[bool]) -> Any:
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         h = output[0] if isinstance(output, tuple) else output
         magnitude = h.abs()
@@ -88,7 +96,7 @@ def _topk_hook(layer: int, k: int, recorder: SignalRecorder | None) -> Any:
             kept = torch.ones_like(h, dtype=torch.bool)
         else:
             index = magnitude.topk(k, dim=-1).indices
-            kept = torch.zeros_like(h, dtype=torch.bool).scatter_(-1, index, True)
+            kept = keep_sink(torch.zeros_like(h, dtype=torch.bool).scatter_(-1, index, True), sink)
         if recorder is not None:
             recorder.observe_sparsified(layer, magnitude, kept)
         return (h * kept, *output[1:]) if isinstance(output, tuple) else h * kept
