@@ -12,7 +12,7 @@ from tokenizers.processors import TemplateProcessing
 from sparse_engine.calibration.pipeline import CalibrationConfig, calibrate, prepare_data
 from sparse_engine.calibration.store import CalibrationNotFoundError, CalibrationStore
 from sparse_engine.data.splits import calibration_split
-from sparse_engine.evaluation.perplexity import PerplexityResult, perplexity
+from sparse_engine.evaluation.perplexity import PerplexityResult, perplexity, t_quantile
 from sparse_engine.runtime.engine import Engine, GenerationRequest
 from sparse_engine.sparsity.plan import Level, SparsityPlan
 from tests.tiny import sample_texts, tiny_model
@@ -163,8 +163,17 @@ def test_the_margin_counts_documents_not_tokens() -> None:
     sparse = PerplexityResult(1.0, 0.5, 8, dense_nll + diff, (4, 4))
     # cluster-robust: sum of deviations per document is +0.04 and -0.04
     se = math.sqrt(2 / 1 * (0.04**2 + 0.04**2)) / 8
-    assert sparse.change_pct(dense, z=1.0) == pytest.approx(100 * (math.exp(0.01 + se) - 1))
+    t = t_quantile(1.0, 1)  # Student's t with one degree of freedom, at the level of z = 1
+    assert sparse.change_pct(dense, z=1.0) == pytest.approx(100 * (math.exp(0.01 + t * se) - 1))
     per_token = float(diff.std()) / math.sqrt(8)
-    assert se > per_token
+    assert se > per_token and t > 1.0
     tokens = PerplexityResult(1.0, 0.5, 8, dense_nll + diff)
     assert tokens.change_pct(dense, z=1.0) == pytest.approx(100 * (math.exp(0.01 + per_token) - 1))
+
+
+@pytest.mark.parametrize(
+    ("df", "table"), [(2, 2.920), (3, 2.353), (5, 2.015), (19, 1.729), (100, 1.660)]
+)
+def test_the_margin_over_few_documents_is_students_t(df: int, table: float) -> None:
+    """The one-sided 95 % quantile of t with df degrees of freedom, from the normal one."""
+    assert t_quantile(1.6448536, df) == pytest.approx(table, rel=3e-3)

@@ -46,7 +46,7 @@ class CalibrationConfig:
     silence_quantile: float = 0.5
     max_rows: int = 256
     sensitivity_tokens: int = 256
-    confidence_z: float = 1.645  # standard errors of margin under each budget (one-sided 95 %)
+    confidence_z: float = 1.645  # one-sided 95 %: as Student's t over the held-out documents
     gates_path: str | None = None  # the gate artefact of the "gates" sparsifier
 
 
@@ -128,13 +128,14 @@ class LevelSearch:
         return self._pct(target)
 
     def upper_pct(self, target: float) -> float:
-        """The perplexity increase plus `confidence_z` standard errors (paired per token)."""
+        """The perplexity increase's one-sided upper bound at the level of `confidence_z`
+        (`PerplexityResult.change_pct`: Student's t over the held-out documents)."""
         self.change_pct(target)
         return self.results[target].change_pct(self.dense, self.confidence_z)
 
     def best_within(self, budget_pct: float) -> float:
-        """Largest grid target whose perplexity increase stays within the budget with
-        `confidence_z` standard errors to spare (bisection). The margin keeps the choice from
+        """Largest grid target whose perplexity increase's upper bound (`upper_pct`) stays
+        within the budget (bisection). The margin keeps the choice from
         overfitting the held-out sample: the level must hold on text it has not seen."""
         lo, hi = -1, len(SEARCH_GRID)
         while hi - lo > 1:
