@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("level", ["dense", "balanced"])
-def test_openai_sdk_gets_paris_from_smollm(
+def test_openai_sdk_gets_tokyo_from_smollm(
     smollm: LoadedModel, calibrated_store: CalibrationStore, tmp_path: Path, level: str
 ) -> None:
     engine = Engine(smollm, calibrated_store.latest_plans(smollm.weights_sha256), PrefixCache())
@@ -28,13 +28,14 @@ def test_openai_sdk_gets_paris_from_smollm(
     ):
         raw = client.chat.completions.with_raw_response.create(
             model="SmolLM2-135M-Instruct",
-            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            # confident when dense (first token p = 0.73); France's was a coin flip (0.15/0.14)
+            messages=[{"role": "user", "content": "What is the capital of Japan?"}],
             max_tokens=16,
             temperature=0,
             extra_body={"ir_sparse_level": level},
         )
     answer = raw.parse().choices[0].message.content or ""
-    assert "Paris" in answer
+    assert "Tokyo" in answer
     assert raw.headers["x-ir-level"] == level
     event = sink.by_trace(raw.headers["x-ir-trace-id"])
     assert event.model == "SmolLM2-135M-Instruct" and event.status == "ok"
