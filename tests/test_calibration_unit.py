@@ -119,7 +119,9 @@ def test_calibrate_stays_within_budgets_and_round_trips(tmp_path: Path) -> None:
     assert aggressive.realised_sparsity >= conservative.realised_sparsity
     loaded = store.load(conservative.version)
     assert loaded == conservative
-    assert [c.version for c in store.list(lm.weights_sha256)] == sorted(c.version for c in results)
+    # oldest first: by creation time (a second apart when the clock ticks between them), then name
+    listed = [c.version for c in store.list(lm.weights_sha256)]
+    assert listed == [c.version for c in sorted(results, key=lambda c: (c.created_at, c.version))]
     engine = Engine(lm, store.latest_plans(lm.weights_sha256))
     stats = engine.generate(
         GenerationRequest(prompt="Doc", max_new_tokens=4), Level.AGGRESSIVE
