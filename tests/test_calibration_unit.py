@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -9,7 +10,12 @@ import pytest
 import torch
 from tokenizers.processors import TemplateProcessing
 
-from sparse_engine.calibration.pipeline import CalibrationConfig, calibrate, prepare_data
+from sparse_engine.calibration.pipeline import (
+    STEADY_HELDOUT_DOCUMENTS,
+    CalibrationConfig,
+    calibrate,
+    prepare_data,
+)
 from sparse_engine.calibration.store import CalibrationNotFoundError, CalibrationStore
 from sparse_engine.data.splits import calibration_split
 from sparse_engine.evaluation.perplexity import PerplexityResult, perplexity, t_quantile
@@ -105,11 +111,18 @@ def test_a_bos_prefix_comes_before_every_sample_and_scored_chunk() -> None:
     assert plain.perplexity != pytest.approx(got.perplexity, rel=1e-6)
 
 
-def test_calibrate_stays_within_budgets_and_round_trips(tmp_path: Path) -> None:
+def test_calibrate_stays_within_budgets_and_round_trips(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     lm = tiny_model()
     data = prepare_data(lm.tokenizer, sample_texts(12), CFG, "tiny")
     levels = [Level.CONSERVATIVE, Level.AGGRESSIVE]
-    results = calibrate(lm, data, levels, CFG)
+    with caplog.at_level(logging.WARNING, logger="sparse_engine.calibration.pipeline"):
+        results = calibrate(lm, data, levels, CFG)
+    # a handful of held-out documents is said to be one, with the fix
+    assert len(data.documents) < STEADY_HELDOUT_DOCUMENTS
+    assert f"only {len(data.documents)} held-out documents" in caplog.text
+    assert "--heldout-tokens 4096" in caplog.text
     store = CalibrationStore(tmp_path)
     for cal in results:
         assert cal.perplexity_change_pct <= cal.budget_pct

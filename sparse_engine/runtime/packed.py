@@ -65,7 +65,7 @@ def prefill_packed(slots: KVSlots, segments: list[Segment]) -> torch.Tensor:
     sparse = (limits >= 0).any(0).tolist()
     per_token = limits[owner]
     for seg, (a, _) in zip(segments, spans, strict=True):
-        if seg.start == 0:  # position 0, the attention sink, stays dense (`sparsity.hooks`)
+        if seg.start == 0:  # position 0, the attention sink, stays dense (`sparsity.sink`)
             per_token[a] = per_token[a].clamp(max=0.0)
     layers, n = len(fast.layers), x.shape[0]
     recording = any(seg.recorder is not None for seg in segments)
