@@ -82,10 +82,11 @@ def test_fast_path_decodes_the_reference_tokens(
     balanced, activations on their threshold can fall the other way under the fast path's
     order of arithmetic, which moves the logits a little (up to `close` below): where the
     reference's two likeliest tokens are nearer than that, either is the greedy answer, so a
-    sequence may part there and nowhere else; at least two of the three must not part."""
+    sequence may part there and nowhere else, its log-probabilities up to there within `close`.
+    The haiku and paperclip prompts hold near-ties of 0.009 and 0.051 nats (an AVX2 machine
+    parted both there); the Japan answer, whose ties are wider, must not part."""
     assert engine.fast is None and fast_engine.fast is not None
     close = 1e-3 if level is Level.DENSE else 0.3
-    whole = 0
     for prompt in PROMPTS:
         messages: list[Message] = [{"role": "user", "content": prompt}]
         # Without prefix reuse, so that both paths observe every prompt position.
@@ -103,15 +104,16 @@ def test_fast_path_decodes_the_reference_tokens(
             part = next(i for i, (a, b) in pairs if a != b)
             (_, first), (_, second) = want.top_logprobs[part][:2]
             assert level is not Level.DENSE and first - second < close, (prompt, part)
+            assert prompt != PROMPTS[0], "the confident answer parted"
+            same = pytest.approx(want.token_logprobs[:part], abs=close)
+            assert got.token_logprobs[:part] == same
             continue
-        whole += 1
         assert got.signals is not None and want.signals is not None
         assert got.signals.sparsity_ratio == pytest.approx(want.signals.sparsity_ratio, abs=2e-3)
         assert got.signals.silence_rate_per_layer == pytest.approx(
             want.signals.silence_rate_per_layer, abs=0.01
         )
         assert got.token_logprobs == pytest.approx(want.token_logprobs, abs=close)
-    assert whole >= 2
 
 
 def test_fast_path_reuses_the_cached_prefix(fast_engine: Engine) -> None:
