@@ -1,12 +1,15 @@
 """The golden-set check on the real SmolLM2 and the packaged data (slow): the default set holds
 external references only, and on a few of its items the dense plan against itself is ok with
 drift exactly 0, the session's balanced calibration raises nothing, and the balanced plan
-scaled to 90 % sparsity is over budget, so GoldenDriftHigh fires through the stored runs, the
+scaled to 95 % sparsity is over budget, so GoldenDriftHigh fires through the stored runs, the
 aggregator's samples and the evaluator, as in production.
 
 At 80 % the drift is inconclusive on these items (6.4 points [-1.0, 14.4]) and on the first 40
 HaluEval items (8.6 [2.9, 15.7]); on the whole 100-item set it is over budget (7.45 [3.70,
-11.48]; README), which takes minutes, so CI checks 90 % on a few items."""
+11.48]; README), which takes minutes, so CI checks a broken plan on a few items. At 90 % these
+22 items were over budget on AMD EPYC machines but inconclusive on an Intel Xeon (10.04
+[2.90, 17.40]: the dense model scores only 14.4 points here, so the drift has little room);
+95 % gave 12.55 [7.43, 18.39] there, and 90 % on 40 + 2 items 13.30 [7.13, 20.41]."""
 
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ NOW = datetime(2026, 12, 8, 3, 0, tzinfo=UTC)
 # A few items of the default set keep this to a few minutes on 2 cores: short answers (F1,
 # capped at SHORT_ANSWER_TOKENS) and two MT-Bench questions at a short answer length.
 HALUEVAL_ITEMS, MTBENCH_ITEMS, MAX_NEW_TOKENS = 20, 2, 32
-BROKEN_SPARSITY = 0.9
+BROKEN_SPARSITY = 0.95
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +85,7 @@ def results(
         *[i for i in default_set if i.source == "gpt-4"][:MTBENCH_ITEMS],
         *[i for i in default_set if i.source == "halueval"][:HALUEVAL_ITEMS],
     ]
-    plans = {"dense-self": SparsityPlan(), "balanced": balanced, "balanced-at-90%": broken}
+    plans = {"dense-self": SparsityPlan(), "balanced": balanced, "balanced-at-95%": broken}
     engine = Engine(smollm, {})
     engine.enable_fast_path(native=kernels.load())  # the decode path the nightly job serves
     found = golden.compare(engine, items, plans, MAX_NEW_TOKENS)
@@ -115,13 +118,13 @@ def test_dense_against_itself_is_ok_with_no_drift(results: dict[str, LevelDrift]
     assert same.kl_mean == pytest.approx(0.0, abs=1e-4)
 
 
-def test_a_healthy_calibration_raises_nothing_and_90_percent_is_over_budget(
+def test_a_healthy_calibration_raises_nothing_and_95_percent_is_over_budget(
     results: dict[str, LevelDrift], tmp_path: Path
 ) -> None:
     budget = Settings().signals.drift_budget
-    healthy, broken = results["balanced"], results["balanced-at-90%"]
+    healthy, broken = results["balanced"], results["balanced-at-95%"]
     assert healthy.status(budget) != OVER_BUDGET
     assert broken.status(budget) == OVER_BUDGET, broken.figures(budget)
     assert broken.drift_low > budget and broken.drift > healthy.drift
     assert broken.kl_mean > healthy.kl_mean
-    assert firing(results, tmp_path) == {"balanced-at-90%"}
+    assert firing(results, tmp_path) == {"balanced-at-95%"}
