@@ -47,7 +47,7 @@ def test_heldout_documents_are_cut_at_a_middle_window_and_none_is_a_sample() -> 
     def encode(text: str) -> list[int]:
         return [ord(c) for c in text]
 
-    batches, heldout = calibration_split(
+    batches, heldout, _ = calibration_split(
         encode,
         texts,
         samples=4,
@@ -192,3 +192,65 @@ def test_the_margin_counts_documents_not_tokens() -> None:
 def test_the_margin_over_few_documents_is_students_t(df: int, table: float) -> None:
     """The one-sided 95 % quantile of t with df degrees of freedom, from the normal one."""
     assert t_quantile(1.6448536, df) == pytest.approx(table, rel=3e-3)
+
+
+def test_a_mixed_corpus_per_source_gets_equal_heldout_shares_and_the_worst_bound() -> None:
+    """With --per-source each part of a mixed corpus gives an equal share of the held-out
+    text, no held-out document is a sample, and a level's bound is the worst part's."""
+    texts = [n + "x" * 350 + n * 100 + "y" * 350 for n in "ABCDEFGHIJKLMNOP"]
+    sources = [0 if n in "ABCDEFGH" else 1 for n in "ABCDEFGHIJKLMNOP"]
+
+    def encode(text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def split(
+        sources: list[int] | None = None,
+    ) -> tuple[list[list[int]], list[list[int]], list[int]]:
+        return calibration_split(
+            encode,
+            texts,
+            samples=4,
+            seq_len=64,
+            min_tokens=8,
+            heldout_tokens=300,
+            heldout_doc_tokens=96,
+            sources=sources or (),
+        )
+
+    batches, heldout, kinds = split(sources)
+    names = [d[0] for d in heldout]
+    by_source = {
+        k: sum(len(d) for d, s in zip(heldout, kinds, strict=True) if s == k) for k in (0, 1)
+    }
+    assert by_source == {0: 150, 1: 150} and sorted(set(kinds)) == [0, 1]
+    assert all(
+        sources["ABCDEFGHIJKLMNOP".index(chr(n))] == k for n, k in zip(names, kinds, strict=True)
+    )
+    assert not {b[0] for b in batches} & set(names)
+    _, plain_heldout, plain_kinds = split()
+    assert plain_kinds == [0] * len(plain_heldout)  # no sources: one part, as before
+
+    lm = tiny_model()
+    mixed = [t for pair in zip(sample_texts(12), sample_texts(24)[12:], strict=True) for t in pair]
+    labels = [i % 2 for i in range(len(mixed))]
+    data = prepare_data(lm.tokenizer, mixed, CFG, "one+two", labels)
+    assert data.source_names == ("one", "two") and len(data.sources) == len(data.documents)
+    assert data.sources.count(0) > 0 and data.sources.count(1) > 0
+    (cal,) = calibrate(lm, data, [Level.AGGRESSIVE], CFG)
+    assert cal.data["heldout_sources"] == {
+        "one": data.sources.count(0),
+        "two": data.sources.count(1),
+    }
+    plan = cal.plan()
+    dense = data.heldout_perplexity(lm, SparsityPlan())
+    sparse = data.heldout_perplexity(lm, plan)
+    bounds = []
+    for index in (0, 1):
+        keep = [s == index for s in data.sources]
+        part = sparse.subset(keep)
+        assert part.num_tokens == sum(n for n, k in zip(sparse.documents, keep, strict=True) if k)
+        bounds.append(part.change_pct(dense.subset(keep), CFG.confidence_z))
+    assert max(bounds) <= cal.budget_pct  # the worst part holds the budget
+    everything = sparse.subset([True] * len(sparse.documents))
+    assert torch.equal(everything.token_nll, sparse.token_nll)
+    assert everything.perplexity == pytest.approx(sparse.perplexity)

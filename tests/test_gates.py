@@ -216,3 +216,8 @@ def test_train_gates_names_the_fix_for_bad_options(
 def test_calibrate_asks_for_the_gate_artefact(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["calibrate", "--sparsifier", "gates"]) == 2
     assert "--gates FILE" in capsys.readouterr().err
+
+
+def test_calibrate_per_source_asks_for_a_mixed_corpus(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["calibrate", "--per-source", "--data", "wiki"]) == 2
+    assert "--data wiki+c4+technical" in capsys.readouterr().err

@@ -39,6 +39,12 @@ def register(commands: Any) -> None:
     cal.add_argument("--roles", default="down", help="projections to sparsify, e.g. down,o,q,k,v")
     cal.add_argument("--if-missing", action="store_true", help="skip levels already calibrated")
     cal.add_argument(
+        "--per-source",
+        action="store_true",
+        help="with a mixed corpus (A+B): held-out text from each part in equal shares, and each "
+        "level's bound taken on every part alone, the worst kept",
+    )
+    cal.add_argument(
         "--no-baseline",
         action="store_true",
         help="skip the healthy baseline pass (alarms then fall back to the published numbers)",
@@ -71,6 +77,12 @@ def register(commands: Any) -> None:
 def run_calibrate(args: argparse.Namespace, settings: Settings) -> int:
     if (args.gates is None) != (args.sparsifier != "gates"):
         raise ValueError("--gates FILE goes with --sparsifier gates, and only with it")
+    name = args.data or settings.engine.calibration_corpus
+    if args.per_source and "+" not in name:
+        raise ValueError(
+            f"--per-source takes a bound on each part of a mixed corpus, and '{name}' has one "
+            "part: pass --data with parts joined by '+', e.g. --data wiki+c4+technical"
+        )
     levels = parse_levels(args.level or [settings.engine.default_level])
     lm = load_served_model(settings, args.model)
     if args.if_missing:
@@ -88,8 +100,11 @@ def run_calibrate(args: argparse.Namespace, settings: Settings) -> int:
         roles=tuple(r.strip() for r in args.roles.split(",") if r.strip()),
         gates_path=args.gates,
     )
-    name = args.data or settings.engine.calibration_corpus
-    data = prepare_data(lm.tokenizer, corpora.load_texts(name, settings.cache_home), cfg, name)
+    if args.per_source:
+        texts, sources = corpora.load_mix(name, settings.cache_home)
+    else:
+        texts, sources = corpora.load_texts(name, settings.cache_home), []
+    data = prepare_data(lm.tokenizer, texts, cfg, name, sources)
     total = sum(b.numel() for b in data.batches)
     with tqdm(total=total, unit="tok", desc="collecting activation statistics") as bar:
         results = calibrate(lm, data, levels, cfg, progress=bar.update)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +65,8 @@ class CalibrationData:
     name: str
     prefix: tuple[int, ...] = ()  # the model's <bos>, before each batch and scored chunk
     documents: tuple[int, ...] = ()  # the held-out documents' lengths, for the standard error
+    sources: tuple[int, ...] = ()  # with --per-source: each held-out document's source
+    source_names: tuple[str, ...] = ()
 
     def heldout_perplexity(self, lm: LoadedModel, plan: SparsityPlan) -> PerplexityResult:
         """The held-out text's perplexity under `plan`, its error taken over documents."""
@@ -74,15 +76,21 @@ class CalibrationData:
 
 
 def prepare_data(
-    tokenizer: Any, texts: list[str], cfg: CalibrationConfig, name: str
+    tokenizer: Any,
+    texts: list[str],
+    cfg: CalibrationConfig,
+    name: str,
+    sources: Sequence[int] = (),
 ) -> CalibrationData:
-    """Calibration samples and held-out tokens under the one split policy (`data.splits`)."""
+    """Calibration samples and held-out tokens under the one split policy (`data.splits`).
+    With `sources` (each text's index among the parts of a mixed corpus `name`, A+B) every
+    part gets an equal share of the held-out text, and a level's bound is taken on each."""
 
     def encode(text: str) -> list[int]:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     try:
-        batches, heldout = calibration_split(
+        batches, heldout, heldout_sources = calibration_split(
             encode,
             texts,
             samples=cfg.samples,
@@ -90,6 +98,7 @@ def prepare_data(
             min_tokens=cfg.min_tokens,
             heldout_tokens=cfg.heldout_tokens,
             heldout_doc_tokens=cfg.heldout_doc_tokens,
+            sources=sources,
         )
     except CorpusTooSmallError as exc:
         raise ValueError(
@@ -102,6 +111,8 @@ def prepare_data(
         name,
         tuple(head),
         tuple(len(doc) for doc in heldout),
+        tuple(heldout_sources) if sources else (),
+        tuple(name.split("+")) if sources else (),
     )
 
 
@@ -126,20 +137,33 @@ class LevelSearch:
             plan = self.plan_at(target)
             self.results[target] = self.data.heldout_perplexity(self.lm, plan)
             log.info(
-                "%s allocation, target %.3f: sparsity %.3f, perplexity %+.2f%% (upper %+.2f%%)",
+                "%s allocation, target %.3f: sparsity %.3f, perplexity %+.2f%% (upper %+.2f%%)%s",
                 self.name,
                 target,
                 self.results[target].sparsity,
                 self._pct(target),
                 self.upper_pct(target),
+                "".join(f", {n} {b:+.2f}%" for n, b in self._source_bounds(target).items()),
             )
         return self._pct(target)
 
     def upper_pct(self, target: float) -> float:
         """The perplexity increase's one-sided upper bound at the level of `confidence_z`
-        (`PerplexityResult.change_pct`: Student's t over the held-out documents)."""
+        (`PerplexityResult.change_pct`: Student's t over the held-out documents); with held-out
+        text from several sources, the largest of the bounds taken on each source alone."""
         self.change_pct(target)
+        by_source = self._source_bounds(target)
+        if by_source:
+            return max(by_source.values())
         return self.results[target].change_pct(self.dense, self.confidence_z)
+
+    def _source_bounds(self, target: float) -> dict[str, float]:
+        result, bounds = self.results[target], {}
+        for index, name in enumerate(self.data.source_names):
+            keep = [s == index for s in self.data.sources]
+            sub, dense = result.subset(keep), self.dense.subset(keep)
+            bounds[name] = sub.change_pct(dense, self.confidence_z)
+        return bounds
 
     def best_within(self, budget_pct: float) -> float:
         """Largest grid target whose perplexity increase's upper bound (`upper_pct`) stays
@@ -181,6 +205,8 @@ def calibrate(
         dense.num_tokens,
         len(data.documents),
     )
+    for index, name in enumerate(data.source_names):
+        log.info("held-out documents of %s: %d", name, data.sources.count(index))
     if len(data.documents) < STEADY_HELDOUT_DOCUMENTS:
         log.warning(
             "only %d held-out documents: the budget's bound may not hold on other text "
@@ -306,6 +332,11 @@ def _data_record(
         "calibration_tokens": stats.num_tokens,
         "heldout_tokens": int(data.heldout.numel()),
         "heldout_documents": len(data.documents),
+        **(
+            {"heldout_sources": {n: data.sources.count(i) for i, n in enumerate(data.source_names)}}
+            if data.sources
+            else {}
+        ),
         "seq_len": cfg.seq_len,
         "roles": list(cfg.roles),
         "confidence_z": cfg.confidence_z,

@@ -178,15 +178,22 @@ def load_texts(spec: str, home: Path) -> list[str]:
     if path.is_file():
         return file_texts(path)
     if "+" in spec:
-        parts = [load_texts(part, home) for part in spec.split("+")]
-        mixed = itertools.zip_longest(*parts)
-        return [doc for docs in mixed for doc in docs if doc is not None]
+        return load_mix(spec, home)[0]
     raise CorpusError(
         f"{spec!r} is neither a known corpus ({', '.join(CORPORA)}) nor an existing file. "
         "Pass one of those names (or several joined by '+' to mix them), a text file with "
         "documents separated by blank lines, or a .jsonl file with a 'text' or 'prompt' field "
         "per line."
     )
+
+
+def load_mix(spec: str, home: Path) -> tuple[list[str], list[int]]:
+    """The documents of `spec` (corpora or files joined by '+'), one of each in turn, and the
+    index in `spec` of the one each came from."""
+    parts = [load_texts(part, home) for part in spec.split("+")]
+    mixed = itertools.zip_longest(*parts)
+    pairs = [(doc, i) for docs in mixed for i, doc in enumerate(docs) if doc is not None]
+    return [doc for doc, _ in pairs], [i for _, i in pairs]
 
 
 def corpus_texts(corpus: Corpus, home: Path) -> list[str]:

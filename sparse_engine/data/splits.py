@@ -4,19 +4,20 @@ the middle is left for independent evaluation (benchmarks, compression studies).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 
 Encode = Callable[[str], list[int]]
+T = TypeVar("T")
 
 
 class CorpusTooSmallError(ValueError):
     """A corpus does not hold the samples and held-out tokens asked for."""
 
 
-def shuffled(texts: list[str], seed: int = 0) -> list[str]:
+def shuffled(texts: list[T], seed: int = 0) -> list[T]:
     """The documents in a fixed pseudo-random order. Shuffling keeps every slice
     representative of the whole corpus: a corpus's last documents are often unlike the rest."""
     order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -32,24 +33,39 @@ def calibration_split(
     min_tokens: int,
     heldout_tokens: int,
     heldout_doc_tokens: int = 512,
-) -> tuple[list[list[int]], list[list[int]]]:
+    sources: Sequence[int] = (),
+) -> tuple[list[list[int]], list[list[int]], list[int]]:
     """`samples` token sequences from the front, each one document's first `seq_len` tokens,
     and held-out pieces from the back, each the middle `heldout_doc_tokens` of one document
     (the last cut so that they hold `heldout_tokens` in all); all at least `min_tokens` long,
     and the two never share a document. A window of each of many documents, not one long
     article, makes the held-out text like the corpus, and lets their differences show in the
     standard error; a window each, not shorter pieces, keeps document boundaries (whose tokens
-    sparsity barely changes) as rare as in the text the benchmarks score."""
-    texts = shuffled(texts)
+    sparsity barely changes) as rare as in the text the benchmarks score. With `sources` (one
+    per text, for a mixed corpus) every source gets an equal share of the held-out tokens, and
+    the third list names each held-out piece's source."""
+    order = shuffled(list(range(len(texts))))
+    labels = [sources[i] for i in order] if sources else [0] * len(texts)
+    texts = [texts[i] for i in order]
+    kinds = sorted(set(labels))
+    share = {
+        k: heldout_tokens // len(kinds) + (k == kinds[-1]) * (heldout_tokens % len(kinds))
+        for k in kinds
+    }
     heldout: list[list[int]] = []
+    heldout_sources: list[int] = []
     total, back = 0, len(texts)
     while total < heldout_tokens and back > 0:
         back -= 1
+        if share.get(labels[back], 0) <= 0:
+            continue
         ids = encode(texts[back])
         start = max(0, (len(ids) - heldout_doc_tokens) // 2)
         ids = ids[start : start + heldout_doc_tokens]
         if len(ids) >= min_tokens:
-            heldout.append(ids[: heldout_tokens - total])
+            heldout.append(ids[: share[labels[back]]])
+            heldout_sources.append(labels[back])
+            share[labels[back]] -= len(heldout[-1])
             total += len(heldout[-1])
     batches = []
     for text in texts[:back]:
@@ -62,7 +78,7 @@ def calibration_split(
         raise CorpusTooSmallError(
             f"{len(batches)} samples of >= {min_tokens} tokens and {total} held-out tokens"
         )
-    return batches, heldout
+    return batches, heldout, heldout_sources
 
 
 def front_documents(texts: list[str], count: int) -> list[str]:

@@ -36,6 +36,13 @@ class PerplexityResult:
             z = t_quantile(z, len(self.documents) - 1)
         return 100.0 * (math.exp(float(diff.mean()) + z * se) - 1.0)
 
+    def subset(self, keep: Sequence[bool]) -> PerplexityResult:
+        """The result over the documents marked in `keep` (one flag per document)."""
+        pieces = torch.split(self.token_nll, list(self.documents))
+        nll = torch.cat([p for p, k in zip(pieces, keep, strict=True) if k])
+        docs = tuple(n for n, k in zip(self.documents, keep, strict=True) if k)
+        return PerplexityResult(math.exp(float(nll.mean())), self.sparsity, nll.numel(), nll, docs)
+
 
 def t_quantile(z: float, df: int) -> float:
     """Student's t quantile with `df` degrees of freedom at the level of the normal quantile
