@@ -13,6 +13,7 @@ from tokenizers.processors import TemplateProcessing
 from sparse_engine.calibration.pipeline import (
     STEADY_HELDOUT_DOCUMENTS,
     CalibrationConfig,
+    LevelSearch,
     calibrate,
     prepare_data,
 )
@@ -251,6 +252,10 @@ def test_a_mixed_corpus_per_source_gets_equal_heldout_shares_and_the_worst_bound
         assert part.num_tokens == sum(n for n, k in zip(sparse.documents, keep, strict=True) if k)
         bounds.append(part.change_pct(dense.subset(keep), CFG.confidence_z))
     assert max(bounds) <= cal.budget_pct  # the worst part holds the budget
+    # the search's bound is the worst part's, not the pooled one
+    search = LevelSearch("fixed", lm, data, dense, lambda _: plan, CFG.confidence_z)
+    assert search.upper_pct(0.5) == pytest.approx(max(bounds))
+    assert max(bounds) != pytest.approx(sparse.change_pct(dense, CFG.confidence_z))
     everything = sparse.subset([True] * len(sparse.documents))
     assert torch.equal(everything.token_nll, sparse.token_nll)
     assert everything.perplexity == pytest.approx(sparse.perplexity)

@@ -57,7 +57,7 @@ def calibration_split(
     total, back = 0, len(texts)
     while total < heldout_tokens and back > 0:
         back -= 1
-        if share.get(labels[back], 0) <= 0:
+        if share[labels[back]] <= 0:
             continue
         ids = encode(texts[back])
         start = max(0, (len(ids) - heldout_doc_tokens) // 2)
