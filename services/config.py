@@ -21,6 +21,10 @@ class EngineSettings(BaseModel):
     model: str = DEFAULT_MODEL
     default_level: str = "balanced"
     calibration_corpus: str = "wiki+c4"  # one source calibrated over-sparsifies on others (README)
+    # A level's perplexity bound on each part of a mixed corpus, the worst kept (`calibrate
+    # --per-source`; CLI and recalibration jobs on the corpus): holds on sources the corpus
+    # lacks, at 4-25 points less sparsity (README, "A bound on each part").
+    calibration_per_source: bool = False
     calibration_samples: int = Field(100, ge=1)
     heldout_tokens: int = Field(4096, ge=64)
     seq_len: int = Field(256, ge=16)
@@ -56,6 +60,17 @@ class EngineSettings(BaseModel):
     # mean, spread and per-kind means, and its margin with this share is measured (README).
     baseline_drift_share: float = Field(0.25, gt=0.0, le=1.0)
     baseline_kinds: list[str] = Field(default_factory=lambda: ["chat", "qa", "code", "prose"])
+
+    @model_validator(mode="after")
+    def _per_source_needs_parts(self) -> EngineSettings:
+        if self.calibration_per_source and "+" not in self.calibration_corpus:
+            raise ValueError(
+                "calibration_per_source takes a bound on each part of a mixed calibration "
+                f"corpus, and '{self.calibration_corpus}' has one part: set "
+                "SPARSEGUARD_ENGINE__CALIBRATION_CORPUS to parts joined by '+' (e.g. "
+                "wiki+c4+technical) or turn calibration_per_source off"
+            )
+        return self
 
 
 class GatewaySettings(BaseModel):
@@ -275,10 +290,17 @@ class TrustSettings(BaseModel):
     # Below this score (the trust model's probability that the answer is right) trust is low.
     # On held-out HaluEval, 0.3 flagged 17 % of answers, right half as often as the rest.
     min_score: float = Field(0.3, ge=0.0, le=1.0)
-    # The fallback above; a trust model scored on healthy chat at fit time flags instead below
-    # the score that this share of those healthy answers fall under.
+    # The fallback above; a trust model scored on healthy answers at fit time flags instead
+    # below the score that this share of a kind's healthy answers fall under.
     flag_budget: float = Field(0.05, gt=0.0, lt=1.0)
-    flag_requests: int = Field(100, ge=1)  # healthy chat answers scored for that threshold
+    # ... with this confidence over the draw of the healthy answers (0: on average only; on
+    # average, 100 a kind flagged 8-12 % of held-out chat, code and prose, README).
+    flag_confidence: float = Field(0.9, ge=0.0, lt=1.0)
+    # Healthy answers of each kind scored for those thresholds (the baseline half of each).
+    flag_requests: int = Field(100, ge=1)
+    flag_kinds: list[str] = Field(
+        default_factory=lambda: ["chat", "qa", "code", "prose"], min_length=1
+    )
     baseline_span: int = Field(200, ge=2)  # requests in the rolling baseline's EWMA
     baseline_min_requests: int = Field(30, ge=1)  # before this, no deviation is judged
     # Reasons that trigger the action; any other reason is reported only.

@@ -1,10 +1,29 @@
-"""Made-up healthy baselines the baseline, reasons, baseline-book and hot-reload tests share."""
+"""Made-up healthy baselines (and a calibration to hold them) the baseline, reasons,
+baseline-book, ranges, replay and hot-reload tests share."""
 
 from __future__ import annotations
 
 import random
 
 from sparse_engine.calibration.baseline import LevelBaseline, SignalBaseline
+from sparse_engine.calibration.store import Calibration
+
+CALIBRATION = Calibration(  # balanced, no thresholds; give it weights and a baseline
+    model_id="m",
+    weights_sha256="w",
+    level="balanced",
+    sparsifier="threshold",
+    thresholds={},
+    topk=None,
+    silence_thresholds=[],
+    target_sparsity=0.5,
+    realised_sparsity=0.5,
+    perplexity_dense=10.0,
+    perplexity_sparse=10.1,
+    budget_pct=2.0,
+    data={},
+    duration_s=0.0,
+)
 
 
 def baseline_of(values: dict[str, list[float]], kinds: int = 2) -> LevelBaseline:

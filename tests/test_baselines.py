@@ -25,7 +25,7 @@ from sparse_engine.calibration.baseline import LevelBaseline, SignalBaseline, dr
 from sparse_engine.calibration.conformal import binomial_tail, ceiling_rank, sample_needed
 from sparse_engine.data.traffic import Prompt, half_with_system
 from sparse_engine.trust.features import RequestSignals
-from sparse_engine.trust.flagging import conformal_floor, set_flag_threshold
+from sparse_engine.trust.flagging import conformal_floor, set_flag_thresholds
 from sparse_engine.trust.model import TrustModel, fit
 from tests.baseline_fixtures import baseline_of, healthy_level
 
@@ -223,18 +223,69 @@ def test_flag_threshold_spends_the_flag_budget_on_healthy_answers() -> None:
     model = fit([answer(r) for r in labels], labels, model_id="m", level="balanced", fit_data={})
     assert model.flag_thresholds == {}  # until scored on healthy traffic
     healthy = [answer(rng.random() < 0.8) for _ in range(199)]
-    scores = set_flag_threshold(model, healthy, 0.05, "chat", "balanced")
+    scores = set_flag_thresholds(model, {"chat": healthy}, 0.05, "balanced")["chat"]
     threshold = model.flag_thresholds["balanced"]
-    assert model.flag_fit["balanced"]["requests"] == 199
+    assert model.flag_fit["balanced"]["kinds"]["chat"]["requests"] == 199
     assert sum(s < threshold for s in scores) <= 0.05 * 200
     held_out = [model.score(answer(rng.random() < 0.8)) for _ in range(2000)]
     assert sum(s < threshold for s in held_out) / 2000 <= 0.05 + 0.05
     # A sparser level's healthy answers score lower: their own threshold, not balanced's.
     worse = [answer(rng.random() < 0.5) for _ in range(199)]
-    set_flag_threshold(model, worse, 0.05, "chat", "aggressive")
+    set_flag_thresholds(model, {"chat": worse}, 0.05, "aggressive")
     assert model.flag_thresholds["aggressive"] < threshold
     judge = TrustJudge(TrustSettings(min_score=0.3), SignalSettings(), model)
     assert judge.flag_below(model, None, "aggressive") == model.flag_thresholds["aggressive"]
     assert judge.flag_below(model, None, "conservative") == 0.3  # none measured there
     reloaded = TrustModel.from_dict(model.to_dict())
     assert reloaded.flag_thresholds == model.flag_thresholds
+    assert reloaded.kind_thresholds == model.kind_thresholds
+
+
+CODE_PROMPT = "def f(x):\n    y = x + 1\n    return y\n\nprint(f(1))"
+
+
+def test_flag_thresholds_hold_the_budget_on_each_kind_of_a_category() -> None:
+    """A kind whose healthy answers score low (prose continuations are not questions) gets its
+    own threshold: at chat's, most of it would be flagged. A request is flagged only below
+    every kind of its category; code is judged by code alone."""
+    rng = random.Random(11)
+
+    def answer(lp_mean: float) -> RequestSignals:
+        lp = rng.gauss(lp_mean, 0.5)
+        return RequestSignals(
+            silence_per_layer=[rng.uniform(0.2, 0.4)] * 4, mean_logprob=lp, min_logprob=lp - 1
+        )
+
+    labels = [i % 2 == 0 for i in range(80)]
+    model = fit(
+        [answer(-0.5 if r else -2.0) for r in labels],
+        labels,
+        model_id="m",
+        level="balanced",
+        fit_data={},
+    )
+    means = {"chat": -0.5, "prose": -2.0, "code": -1.2}
+    prompts = [Prompt(kind, CODE_PROMPT if kind == "code" else "Tell me.") for kind in means]
+    healthy = {kind: [answer(m) for _ in range(199)] for kind, m in means.items()}
+    set_flag_thresholds(model, healthy, 0.05, "balanced", prompts)
+    by_kind = model.kind_thresholds["balanced"]
+    assert model.flag_categories == {"chat": "text", "prose": "text", "code": "code"}
+    assert by_kind["prose"] < by_kind["code"] < by_kind["chat"]
+    judge = TrustJudge(TrustSettings(), SignalSettings(), model)
+    text = judge.flag_below(model, None, "balanced", category="text")
+    assert text == by_kind["prose"] == model.flag_thresholds["balanced"]
+    assert judge.flag_below(model, None, "balanced", category="code") == by_kind["code"]
+    for kind, m in means.items():  # held out: each kind within its budget at its category's
+        category = "code" if kind == "code" else "text"
+        below = judge.flag_below(model, None, "balanced", category=category)
+        flagged = sum(model.score(answer(m)) < below for _ in range(1000)) / 1000
+        assert flagged <= 0.05 + 0.03, (kind, flagged)
+    # What a chat-only threshold did: most of prose flagged.
+    prose = [model.score(answer(means["prose"])) for _ in range(1000)]
+    assert sum(s < by_kind["chat"] for s in prose) / 1000 > 0.5
+    assert TrustModel.from_dict(model.to_dict()).flag_categories == model.flag_categories
+    # With 90 % confidence over the sample (the fit's default): a lower rank of each kind's.
+    sure = TrustModel.from_dict(model.to_dict())
+    set_flag_thresholds(sure, healthy, 0.05, "balanced", prompts, confidence=0.9)
+    assert all(sure.kind_thresholds["balanced"][k] < by_kind[k] for k in means)
+    assert sure.flag_fit["balanced"]["confidence"] == 0.9

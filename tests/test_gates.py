@@ -218,6 +218,13 @@ def test_calibrate_asks_for_the_gate_artefact(capsys: pytest.CaptureFixture[str]
     assert "--gates FILE" in capsys.readouterr().err
 
 
-def test_calibrate_per_source_asks_for_a_mixed_corpus(capsys: pytest.CaptureFixture[str]) -> None:
+def test_calibrate_per_source_asks_for_a_mixed_corpus(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert main(["calibrate", "--per-source", "--data", "wiki"]) == 2
     assert "--data wiki+c4+technical" in capsys.readouterr().err
+    # On in the settings (a mixed corpus there), off for one run with a one-part corpus.
+    monkeypatch.setenv("SPARSEGUARD_ENGINE__CALIBRATION_CORPUS", "wiki+c4+technical")
+    monkeypatch.setenv("SPARSEGUARD_ENGINE__CALIBRATION_PER_SOURCE", "true")
+    assert main(["calibrate", "--data", "wiki"]) == 2
+    assert "or --no-per-source" in capsys.readouterr().err

@@ -13,6 +13,7 @@ import pytest
 from celery import Celery
 from celery.schedules import crontab
 from prometheus_client import CollectorRegistry
+from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -343,6 +344,14 @@ def test_recalibration_uses_kept_traffic_only_when_configured(
     assert _data(plain, sessions, engine.lm, cfg).name == str(corpus)
     too_few = kept.model_copy(update={"jobs": JobSettings(traffic_min_prompts=500)})
     assert _data(too_few, sessions, engine.lm, cfg).name == str(corpus)
+    assert _data(plain, sessions, engine.lm, cfg).sources == ()
+    other = tmp_path / "other.txt"
+    other.write_text("\n\n".join(f"Another text {i}, about rivers. " * 20 for i in range(40)))
+    mixed = EngineSettings(calibration_corpus=f"{corpus}+{other}", calibration_per_source=True)
+    data = _data(Settings(home=tmp_path, engine=mixed), sessions, engine.lm, cfg)
+    assert data.source_names == (str(corpus), str(other)) and set(data.sources) == {0, 1}
+    with pytest.raises(ValidationError, match="has one part"):
+        EngineSettings(calibration_corpus="wiki", calibration_per_source=True)
     with sessions() as session:
         found = recent_prompts(session, engine.lm.model_id, NOW - timedelta(days=1))
     assert len(found) == 100 and (found[0], found[-1]) == (prompts[0], prompts[198])

@@ -11,25 +11,10 @@ import pytest
 
 from services.cli import main
 from services.shared.ranges import healthy_ranges, ranges_table
-from sparse_engine.calibration.store import Calibration, CalibrationStore
-from tests.baseline_fixtures import baseline_of, healthy_level
+from sparse_engine.calibration.store import CalibrationStore
+from tests.baseline_fixtures import CALIBRATION, baseline_of, healthy_level
 
-BASE = Calibration(
-    model_id="m",
-    weights_sha256="w",
-    level="balanced",
-    sparsifier="threshold",
-    thresholds={},
-    topk=None,
-    silence_thresholds=[],
-    target_sparsity=0.5,
-    realised_sparsity=0.5,
-    perplexity_dense=10.0,
-    perplexity_sparse=10.1,
-    budget_pct=2.0,
-    data={},
-    duration_s=0.0,
-)
+BASE = CALIBRATION
 
 
 def test_each_level_reads_its_latest_calibrations_baseline_and_dense_the_newest() -> None:

@@ -13,6 +13,7 @@ import pytest
 
 from alerts.rules import DEFAULT_RULES, load_rules
 from services.cli import main
+from services.cli.eval_alerts import latest_with_baselines
 from services.cli.eval_reasons import reason_figures
 from services.cli.eval_reasons import render as render_reasons
 from services.config import Settings
@@ -23,10 +24,12 @@ from services.replay.replay import Calibrations, Scenario, events, replay
 from services.replay.scoring import Rate, fault_result, firings, rule_scores
 from services.replay.study import _rejudged_rates, rejudge
 from sparse_engine.calibration.baseline import summarise
+from sparse_engine.calibration.store import CalibrationNotFoundError, CalibrationStore
 from sparse_engine.data.traffic import Prompt, half_with_system
 from sparse_engine.runtime.generation import GenerationStats
 from sparse_engine.sparsity.plan import Level
 from sparse_engine.sparsity.recorder import SignalSummary
+from tests.baseline_fixtures import CALIBRATION, healthy_level
 from tests.tiny import tiny_engine
 
 VERSION = "m-balanced-v1"
@@ -293,3 +296,21 @@ def test_eval_reasons_refuses_bad_arguments_naming_the_fix(
     assert main(["eval", "reasons", "--kind", "code", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_eval_reasons_needs_baselines_only_for_the_levels_it_measures(tmp_path: Path) -> None:
+    """`eval reasons --levels balanced` runs with only balanced calibrated and baselined; the
+    alert study, which replays every level, still asks for them all."""
+    lm = tiny_engine().lm
+    settings = Settings(home=tmp_path)
+    cal = replace(CALIBRATION, weights_sha256=lm.weights_sha256, baseline=healthy_level().to_dict())
+    calibrations = CalibrationStore(settings.calibrations_dir)
+    calibrations.save(cal)
+    found = latest_with_baselines(settings, lm, [Level.DENSE, Level.BALANCED])
+    assert list(found) == [Level.BALANCED] and found[Level.BALANCED].version == cal.version
+    with pytest.raises(CalibrationNotFoundError, match="calibrate --level conservative"):
+        latest_with_baselines(settings, lm)  # every sparse level
+    later = "2099-01-01T00:00:00+00:00"
+    calibrations.save(replace(cal, version="", baseline=None, created_at=later))
+    with pytest.raises(ValueError, match="no healthy baseline"):
+        latest_with_baselines(settings, lm, [Level.BALANCED])

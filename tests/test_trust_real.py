@@ -69,6 +69,7 @@ def test_trust_fit_and_eval_cli_on_a_qa_file(
     cli_home: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("SPARSEGUARD_TRUST__FLAG_REQUESTS", "20")  # healthy chat per level
+    monkeypatch.setenv("SPARSEGUARD_TRUST__FLAG_KINDS", '["chat"]')
     qa = cli_home / "qa.jsonl"
     qa.write_text("\n".join(json.dumps(row) for row in QA))
     common = ["--data", str(qa), "--max-new-tokens", "12", "--n", str(len(QA) // 2)]

@@ -125,6 +125,12 @@ def test_fit_learns_the_informative_feature_and_generalises(tmp_path: Path) -> N
     assert weights["mean_logprob"] > 0  # more confident -> more likely right
     held = report(test, model, {"data": "synthetic", "split": "eval", "n": 200})
     assert held.held_out is True and held.trust_auroc > 0.9
+    assert held.flag_threshold is None and held.flagged_wrong == held.flagged_right == 0
+    median = sorted(model.score(r.signals) for r in test)[100]
+    flagged = report(test, model, None, flag_below=median)  # half the answers fall under it
+    low = [not r.correct for r in test if model.score(r.signals) < median]
+    assert (flagged.flagged_wrong, flagged.flagged_right) == (sum(low), len(low) - sum(low))
+    assert flagged.flagged_wrong > 2 * flagged.flagged_right  # the low scores are mostly wrong
     assert report(train, model, {"data": "synthetic", "split": "fit", "n": 10}).held_out is False
     assert all(0.0 <= model.score(r.signals) <= 1.0 for r in test)
     store = TrustStore(tmp_path)

@@ -40,9 +40,9 @@ def register(commands: Any) -> None:
     cal.add_argument("--if-missing", action="store_true", help="skip levels already calibrated")
     cal.add_argument(
         "--per-source",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         help="with a mixed corpus (A+B): held-out text from each part in equal shares, and each "
-        "level's bound taken on every part alone, the worst kept",
+        "level's bound taken on every part alone, the worst kept (default: settings)",
     )
     cal.add_argument(
         "--no-baseline",
@@ -78,10 +78,13 @@ def run_calibrate(args: argparse.Namespace, settings: Settings) -> int:
     if (args.gates is None) != (args.sparsifier != "gates"):
         raise ValueError("--gates FILE goes with --sparsifier gates, and only with it")
     name = args.data or settings.engine.calibration_corpus
-    if args.per_source and "+" not in name:
+    asked = args.per_source  # None: the settings decide
+    per_source = settings.engine.calibration_per_source if asked is None else asked
+    if per_source and "+" not in name:
         raise ValueError(
             f"--per-source takes a bound on each part of a mixed corpus, and '{name}' has one "
             "part: pass --data with parts joined by '+', e.g. --data wiki+c4+technical"
+            + ("" if asked else ", or --no-per-source")
         )
     levels = parse_levels(args.level or [settings.engine.default_level])
     lm = load_served_model(settings, args.model)
@@ -100,10 +103,7 @@ def run_calibrate(args: argparse.Namespace, settings: Settings) -> int:
         roles=tuple(r.strip() for r in args.roles.split(",") if r.strip()),
         gates_path=args.gates,
     )
-    if args.per_source:
-        texts, sources = corpora.load_mix(name, settings.cache_home)
-    else:
-        texts, sources = corpora.load_texts(name, settings.cache_home), []
+    texts, sources = corpora.load_sourced(name, settings.cache_home, per_source)
     data = prepare_data(lm.tokenizer, texts, cfg, name, sources)
     total = sum(b.numel() for b in data.batches)
     with tqdm(total=total, unit="tok", desc="collecting activation statistics") as bar:

@@ -10,6 +10,7 @@ import argparse
 import hashlib
 import logging
 import pickle
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -116,9 +117,13 @@ def with_model(settings: Settings, model: str | None) -> Settings:
     return settings.model_copy(update={"engine": engine})
 
 
-def latest_with_baselines(settings: Settings, lm: LoadedModel) -> dict[Level, Calibration]:
-    """The latest calibration of each sparse level of `lm`; each must have its baseline."""
-    cals = {lv: store(settings).latest(lm.weights_sha256, lv) for lv in _sparse_levels()}
+def latest_with_baselines(
+    settings: Settings, lm: LoadedModel, levels: Sequence[Level] = ()
+) -> dict[Level, Calibration]:
+    """The latest calibration of each of `levels` (default: every sparse level) of `lm`; each
+    must have its baseline."""
+    wanted: list[Level] = [lv for lv in levels or _sparse_levels() if lv is not Level.DENSE]
+    cals = {lv: store(settings).latest(lm.weights_sha256, lv) for lv in wanted}
     if any(c.baseline is None for c in cals.values()):
         raise ValueError(
             "the latest calibrations have no healthy baseline; run "

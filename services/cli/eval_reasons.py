@@ -49,7 +49,7 @@ def run_eval_reasons(args: argparse.Namespace, settings: Settings) -> int:
     prompts = traffic.healthy(args.kind, settings.cache_home, "evaluation", args.count)
     prompts = traffic.half_with_system(prompts)  # as the baseline pass and the study send them
     lm = load_served_model(settings)
-    cals = latest_with_baselines(settings, lm)
+    cals = latest_with_baselines(settings, lm, levels)  # only the levels measured
     baselines = {lv.value: LevelBaseline.from_dict(c.baseline or {}) for lv, c in cals.items()}
     judge = load_judge(settings, lm.model_id)
     judge.book = BaselineBook(store(settings))

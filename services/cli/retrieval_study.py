@@ -44,8 +44,9 @@ from sparse_engine.runtime.engine import Engine
 from sparse_engine.runtime.generation import GenerationRequest, Message
 from sparse_engine.runtime.offline import generate_all
 from sparse_engine.sparsity.plan import Level
+from sparse_engine.sparsity.signals import TEXT
 from sparse_engine.trust.features import RequestSignals, from_stats
-from sparse_engine.trust.flagging import tolerance_floor
+from sparse_engine.trust.flagging import flag_threshold, tolerance_floor
 from sparse_engine.trust.model import TrustModel, TrustModelNotFoundError, TrustStore, out_of_fold
 from sparse_engine.trust.model import fit as fit_trust
 from sparse_engine.trust.qa import QAItem, grade, load_qa, qa_messages, qa_sample
@@ -106,7 +107,8 @@ def run_retrieval(args: argparse.Namespace, settings: Settings) -> int:
         "always retrieve", lambda item: with_passages(qa_messages(item), hits[item.question], 800)
     )
     simple, _ = ask("always simplify", lambda item: simplified(qa_messages(item)))
-    threshold = model.flag_thresholds.get(level.value, settings.trust.min_score)
+    own = flag_threshold(model, level.value, TEXT)  # what the gateway flags questions below
+    threshold = settings.trust.min_score if own is None else own
     fit_answers, fit_signals = ask("fit half, closed book", qa_messages, fit)
     fit_scores = [s for _, s in fit_answers]
     learned = _route_threshold(fit_scores, args)

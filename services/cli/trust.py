@@ -13,10 +13,12 @@ from tqdm import tqdm
 from services.cli.common import emit, emit_json, eval_commands
 from services.config import Settings
 from services.shared.engine import build_engine
-from services.workers.trust_fit import FitSpec, answers, fit_model
+from services.workers.trust_fit import FitSpec, answers, fit_model, healthy_answers
 from sparse_engine.data.qa_sets import QA_SETS
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.sparsity.plan import Level
+from sparse_engine.sparsity.signals import TEXT
+from sparse_engine.trust.flagging import flag_threshold
 from sparse_engine.trust.model import MODES, TrustModel, TrustStore
 from sparse_engine.trust.qa import HALUEVAL, SPLITS
 from sparse_engine.trust.report import TrustReport, report
@@ -86,7 +88,7 @@ def fit_trust(args: argparse.Namespace, settings: Settings) -> int:
         else:
             emit(f"trust model {found.version} exists for {spec.level}; nothing to do")
             return 0
-    with _bar(spec) as bar:
+    with _bar(spec, healthy_answers(settings, eng)) as bar:
         model, records = fit_model(settings, eng, spec, progress=bar.update)
     fitted = report(records, model, None, settings.signals.late_band)
     emit(
@@ -105,7 +107,8 @@ def eval_trust_score(args: argparse.Namespace, settings: Settings) -> int:
         records = answers(settings, eng, spec, progress=bar.update)
     model = _trust_model(args, settings, eng, spec.mode)
     info = {"data": spec.data, "split": spec.split, "n": len(records), "level": spec.level}
-    result = report(records, model, info, settings.signals.late_band)
+    flag_below = flag_threshold(model, spec.level, TEXT) if model else None  # as a question
+    result = report(records, model, info, settings.signals.late_band, flag_below)
     if args.json:
         emit_json(result.to_dict())
     else:
@@ -132,8 +135,11 @@ def spec_of(args: argparse.Namespace, split: str) -> FitSpec:
     )
 
 
-def _bar(spec: FitSpec) -> tqdm[Any]:
-    return tqdm(total=spec.n, unit="answer", desc=f"answering {spec.data} at {spec.level}")
+def _bar(spec: FitSpec, healthy: int = 0) -> tqdm[Any]:
+    """`healthy`: the healthy answers of the flag thresholds, after the items."""
+    then = ", then healthy prompts at every level" if healthy else ""
+    desc = f"answering {spec.data} at {spec.level}{then}"
+    return tqdm(total=spec.n + healthy, unit="answer", desc=desc)
 
 
 def _trust_model(
@@ -166,3 +172,9 @@ def _print(r: TrustReport) -> None:
         f"late-layer silence: {r.silence_wrong:.4f} on wrong answers vs {r.silence_right:.4f} "
         f"on right ones ({r.silence_moves})"
     )
+    if r.flag_threshold is not None:
+        wrong = r.n - r.right
+        emit(
+            f"flagged below the level's threshold for text ({r.flag_threshold:.3f}): "
+            f"{r.flagged_wrong} of {wrong} wrong answers, {r.flagged_right} of {r.right} right"
+        )

@@ -18,7 +18,7 @@ from sparse_engine.runtime.generation import GenerationStats
 from sparse_engine.sparsity.plan import Level
 from sparse_engine.sparsity.signals import prompt_category
 from sparse_engine.trust.features import RequestSignals, from_stats, rule_score
-from sparse_engine.trust.flagging import conformal_ceiling
+from sparse_engine.trust.flagging import conformal_ceiling, flag_threshold
 from sparse_engine.trust.model import TrustModel, TrustModelNotFoundError, TrustStore
 
 log = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ class TrustJudge:
             flag_below = own
         else:
             kinds = healthy.kinds_of(category) if healthy is not None else None
-            flag_below = self.flag_below(model, healthy, stats.level, kinds, system)
+            flag_below = self.flag_below(model, healthy, stats.level, kinds, system, category)
         reasons = trust_reasons(
             sig, score, self.signals, flag_below, is_dense, healthy, z, category, system
         )
@@ -157,14 +157,17 @@ class TrustJudge:
         level: str,
         kinds: list[str] | None = None,
         system: bool | None = None,
+        category: str | None = None,
     ) -> float:
-        """The model's healthy-traffic threshold at `level` (flag budget). Without a model the
+        """The model's healthy-traffic threshold at `level` (flag budget) for a request of
+        `category`: the lowest of its kinds' (`trust.flagging`). Without a model the
         score is 1 - late-band silence, so the same budget applies to the baseline's late-band
         silence, on each of `kinds` (default all; each on the request's `system` side) as the
         reasons test it: the pooled sample flagged the kind with the quietest late layers
         (9-23 % of code, README). Else the fixed minimum score."""
         if model is not None:
-            return model.flag_thresholds.get(level, self.cfg.min_score)
+            threshold = flag_threshold(model, level, category)
+            return self.cfg.min_score if threshold is None else threshold
         late = healthy.get("late_silence") if healthy is not None else None
         if late is None:
             return self.cfg.min_score

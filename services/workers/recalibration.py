@@ -118,8 +118,9 @@ def _data(
                 settings.jobs.traffic_window_h,
                 settings.jobs.traffic_min_prompts,
             )
-    name = settings.engine.calibration_corpus
-    return prepare_data(lm.tokenizer, corpora.load_texts(name, settings.cache_home), cfg, name)
+    name, per_source = settings.engine.calibration_corpus, settings.engine.calibration_per_source
+    texts, sources = corpora.load_sourced(name, settings.cache_home, per_source)
+    return prepare_data(lm.tokenizer, texts, cfg, name, sources)
 
 
 def recent_prompts(session: Session, model: str, since: datetime) -> list[str]:

@@ -26,7 +26,7 @@ from sparse_engine.jsonstore import JsonStore
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.sparsity.plan import Level
 from sparse_engine.trust.evaluate import QARecord, RecordSet, collect
-from sparse_engine.trust.flagging import healthy_signals, set_flag_threshold
+from sparse_engine.trust.flagging import healthy_signals, set_flag_thresholds
 from sparse_engine.trust.model import TrustModel, TrustModelNotFoundError, TrustStore, fit
 from sparse_engine.trust.proxy import Given, score_given, upstream_answers
 from sparse_engine.trust.qa import HALUEVAL, QAItem, load_qa, qa_sample
@@ -123,8 +123,8 @@ def fit_model(
     extra: dict[str, Any] | None = None,
     progress: Progress = lambda _: None,
 ) -> tuple[TrustModel, list[QARecord]]:
-    """Answer, fit, set the flag threshold on healthy chat answers (`trust.flagging`) and
-    save; `extra` goes into the model's fit_data."""
+    """Answer, fit, set the flag thresholds on healthy answers of each kind (`trust.flagging`)
+    and save; `extra` goes into the model's fit_data."""
     records = answers(settings, eng, spec, progress)
     model = fit(
         [r.signals for r in records],
@@ -143,12 +143,22 @@ def fit_model(
         late_band=settings.signals.late_band,
         mode=spec.mode,
     )
-    # One threshold per served level: a sparser level's answers score lower, so a threshold
-    # measured at one level flags a quarter of another's healthy chat (README).
-    chat = traffic.healthy("chat", settings.cache_home, "baseline", settings.trust.flag_requests)
+    # Thresholds per served level and healthy kind: a sparser level's answers score lower, so
+    # a threshold measured at one level flags a quarter of another's healthy chat, and one
+    # measured on chat flagged most prose and summaries (README).
+    cfg = settings.trust
+    prompts = traffic.half_with_system(  # each kind both ways, as the baseline pass sends it
+        [
+            prompt
+            for kind in cfg.flag_kinds
+            for prompt in traffic.healthy(kind, settings.cache_home, "baseline", cfg.flag_requests)
+        ]
+    )
     for level in sorted(eng.plans, key=list(Level).index):  # dense and every sparse level
-        healthy = healthy_signals(eng, level, chat, spec.max_new_tokens, progress, spec.mode)
-        set_flag_threshold(model, healthy, settings.trust.flag_budget, "chat", level.value)
+        healthy = healthy_signals(eng, level, prompts, spec.max_new_tokens, progress, spec.mode)
+        set_flag_thresholds(
+            model, healthy, cfg.flag_budget, level.value, prompts, cfg.flag_confidence
+        )
     return TrustStore(settings.trust_dir).save(model), records
 
 
@@ -167,7 +177,8 @@ def fit_trust(settings: Settings, job: ClaimedJob, engine: Engine | None = None)
     if model is None:
         log.info("job %d: answering %d %s items at %s", job.id, spec.n, spec.data, spec.level)
         extra = {"job_id": job.id, "reason": job.reason}
-        model, _ = fit_model(settings, eng, spec, extra, _log_progress(job.id, spec.n))
+        total = spec.n + healthy_answers(settings, eng)
+        model, _ = fit_model(settings, eng, spec, extra, _log_progress(job.id, total))
     else:
         log.info("job %d already made %s; publishing it", job.id, model.version)
     publish_trust_model(settings.telemetry, model, job.reason)
@@ -195,6 +206,11 @@ def _existing(settings: Settings, model_id: str, level: str, mode: str) -> Trust
         return TrustStore(settings.trust_dir).latest(model_id, level, mode)
     except TrustModelNotFoundError:
         return None
+
+
+def healthy_answers(settings: Settings, eng: Engine) -> int:
+    """How many healthy answers the flag thresholds take (at most: too long ones are skipped)."""
+    return len(eng.plans) * len(settings.trust.flag_kinds) * settings.trust.flag_requests
 
 
 def _log_progress(job_id: int, total: int) -> Progress:

@@ -196,6 +196,12 @@ def load_mix(spec: str, home: Path) -> tuple[list[str], list[int]]:
     return [doc for doc, _ in pairs], [i for _, i in pairs]
 
 
+def load_sourced(spec: str, home: Path, per_source: bool) -> tuple[list[str], list[int]]:
+    """The documents of `spec` and, with `per_source` (a mixed corpus), the part each came from
+    (`load_mix`); without it, no parts."""
+    return load_mix(spec, home) if per_source else (load_texts(spec, home), [])
+
+
 def corpus_texts(corpus: Corpus, home: Path) -> list[str]:
     texts = corpus.parse(corpus_bytes(corpus.package, corpus.member, home))
     log.info("corpus %s: %d documents", corpus.name, len(texts))

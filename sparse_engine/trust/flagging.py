@@ -1,14 +1,17 @@
 """Where a trust score becomes a flag: below the score that a budgeted share of healthy answers
-fall under, measured on healthy traffic of the route (chat prompts the fit never saw), so a
-model fit on QA items cannot flag every chat answer. Scores are reported as they are; only the
+fall under, measured per healthy kind (chat, QA, code, prose prompts the fit never saw), so a
+model fit on QA items cannot flag every chat answer, nor every prose continuation (a chat
+threshold flagged 90 % of them, README). A request is judged against the kinds of its own
+category, and flagged only below all of theirs. Scores are reported as they are; only the
 action follows this threshold."""
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
+from sparse_engine.calibration.baseline import kind_categories
 from sparse_engine.calibration.conformal import confident_rank
 from sparse_engine.data.traffic import Prompt
 from sparse_engine.runtime.engine import Engine
@@ -29,10 +32,10 @@ def healthy_signals(
     max_new_tokens: int,
     progress: Callable[[int], object] | None = None,
     mode: str = "serve",
-) -> list[RequestSignals]:
-    """The trust signals of greedy answers to healthy prompts, measured as the gateway does:
-    generated (serve and closed mode), or generated, then scored teacher-forced as proxy mode
-    scores an upstream's answer."""
+) -> dict[str, list[RequestSignals]]:
+    """The trust signals of greedy answers to healthy prompts, by kind, measured as the gateway
+    does: generated (serve and closed mode), or generated, then scored teacher-forced as proxy
+    mode scores an upstream's answer."""
     runnable = []
     for prompt in prompts:
         request = GenerationRequest(
@@ -49,7 +52,7 @@ def healthy_signals(
         runnable.append((prompt, request))
     jobs = [(request, level) for _, request in runnable]
     answers = generate_all(engine, jobs, progress=progress)  # batched
-    found = []
+    found: dict[str, list[RequestSignals]] = {}
     for (prompt, _), stats in zip(runnable, answers, strict=True):
         if mode == "proxy":
             try:
@@ -57,7 +60,7 @@ def healthy_signals(
             except ValueError as exc:  # prompt and answer past the model's context
                 log.info("healthy answer skipped: %s", exc)
                 continue
-        found.append(from_stats(stats, prompt.text))
+        found.setdefault(prompt.kind, []).append(from_stats(stats, prompt.text))
     return found
 
 
@@ -87,22 +90,55 @@ def tolerance_floor(scores: Sequence[float], budget: float, confidence: float) -
     return -math.inf if k == 0 else ordered[k - 1]
 
 
-def set_flag_threshold(
-    model: TrustModel, healthy: Sequence[RequestSignals], budget: float, route: str, level: str
-) -> list[float]:
-    """Score the healthy answers at `level`, store the budgeted threshold for that level in
-    `model` (none when too few answers to spend the budget), return the scores."""
-    scores = [model.score(s) for s in healthy]
-    floor = conformal_floor(scores, budget)
+def set_flag_thresholds(
+    model: TrustModel,
+    healthy: Mapping[str, Sequence[RequestSignals]],
+    budget: float,
+    level: str,
+    prompts: Sequence[Prompt] = (),
+    confidence: float = 0.0,
+) -> dict[str, list[float]]:
+    """Score each kind's healthy answers at `level`, store each kind's budgeted threshold in
+    `model` (none for a kind with too few answers to spend the budget), and each kind's
+    category from its `prompts`; return the scores by kind. With `confidence`, the threshold
+    holds the budget with that probability over the sample (`tolerance_floor`), else on
+    average (`conformal_floor`). The level's `flag_thresholds` entry, for a request whose
+    category no kind has, is the lowest of the kinds'."""
+    scores = {kind: [model.score(s) for s in signals] for kind, signals in healthy.items()}
+    floors = {
+        kind: tolerance_floor(kind_scores, budget, confidence)
+        if confidence > 0
+        else conformal_floor(kind_scores, budget)
+        for kind, kind_scores in scores.items()
+    }
+    kept = {kind: floor for kind, floor in floors.items() if not math.isinf(floor)}
+    model.kind_thresholds[level] = kept
+    model.flag_categories.update(kind_categories(prompts))
     model.flag_thresholds.pop(level, None)
-    if not math.isinf(floor):
-        model.flag_thresholds[level] = floor
-    flagged = sum(s < floor for s in scores)
+    if kept:
+        model.flag_thresholds[level] = min(kept.values())
     model.flag_fit[level] = {
-        "route": route,
-        "requests": len(scores),
+        "kinds": {
+            kind: {
+                "requests": len(kind_scores),
+                "flagged_in_sample": sum(s < floors[kind] for s in kind_scores),
+                "score_median": sorted(kind_scores)[len(kind_scores) // 2] if kind_scores else None,
+            }
+            for kind, kind_scores in scores.items()
+        },
         "budget": budget,
-        "flagged_in_sample": flagged,
-        "score_median": sorted(scores)[len(scores) // 2] if scores else None,
+        "confidence": confidence,
     }
     return scores
+
+
+def flag_threshold(model: TrustModel, level: str, category: str | None = None) -> float | None:
+    """The score under which an answer at `level` to a request of `category` is flagged: the
+    lowest threshold among the kinds of that category (a request flagged against each of
+    them), of every kind for a category none has; a model fit before kinds: its one threshold
+    for the level. None where the level has none."""
+    by_kind = model.kind_thresholds.get(level)
+    if not by_kind:
+        return model.flag_thresholds.get(level)
+    own = [t for kind, t in by_kind.items() if model.flag_categories.get(kind) == category]
+    return min(own or by_kind.values())

@@ -92,10 +92,14 @@ class TrustModel:
     mode: str = "serve"
     # The late band its late-silence feature was fit with.
     late_band: int = LATE_BAND
-    # Per served level, scores below this flag an answer: the healthy-traffic threshold
-    # (`trust.flagging`), measured on answers at that level (sparser levels score lower). A
-    # level without one uses the gateway's fixed minimum score.
+    # Per served level, scores below this flag an answer: the healthy-traffic thresholds
+    # (`trust.flagging`), measured on answers at that level (sparser levels score lower), per
+    # healthy kind and each kind's category; `flag_thresholds`: the lowest of a level's kinds
+    # (the one threshold of a model fit before kinds). A level without one uses the gateway's
+    # fixed minimum score.
     flag_thresholds: dict[str, float] = field(default_factory=dict)
+    kind_thresholds: dict[str, dict[str, float]] = field(default_factory=dict)
+    flag_categories: dict[str, str] = field(default_factory=dict)
     flag_fit: dict[str, dict[str, Any]] = field(default_factory=dict)  # per level
     format: int = MODEL_FORMAT
     created_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))

@@ -53,6 +53,11 @@ class TrustReport:
     rows: list[SignalRow]
     silence_wrong: float
     silence_right: float
+    # The score under which the gateway flags these answers (`trust.flagging`), and how many
+    # wrong and right answers fall under it; None without a model or a threshold.
+    flag_threshold: float | None = None
+    flagged_wrong: int = 0
+    flagged_right: int = 0
 
     @property
     def trust_auroc(self) -> float:
@@ -91,6 +96,7 @@ def report(
     model: TrustModel | None,
     data: dict[str, Any] | None,
     late_band: int = LATE_BAND,
+    flag_below: float | None = None,
 ) -> TrustReport:
     wrong = [not r.correct for r in records]
     signals = [r.signals for r in records]
@@ -102,6 +108,7 @@ def report(
         return rule_score(s, late_band)
 
     trust: Reader = model.score if model else rule
+    flagged = [flag_below is not None and trust(s) < flag_below for s in signals]
     rows = [
         SignalRow("trust_score", "trust", auroc([1 - trust(s) for s in signals], wrong), "lower")
     ]
@@ -124,6 +131,9 @@ def report(
         rows=rows,
         silence_wrong=_mean(late_wrong),
         silence_right=_mean(late_right),
+        flag_threshold=flag_below,
+        flagged_wrong=sum(f and w for f, w in zip(flagged, wrong, strict=True)),
+        flagged_right=sum(f and not w for f, w in zip(flagged, wrong, strict=True)),
     )
 
 
