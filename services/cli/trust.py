@@ -175,6 +175,6 @@ def _print(r: TrustReport) -> None:
     if r.flag_threshold is not None:
         wrong = r.n - r.right
         emit(
-            f"flagged below the level's threshold for text ({r.flag_threshold:.3f}): "
+            f"flagged below the level's threshold for text ({r.flag_threshold:.3g}): "
             f"{r.flagged_wrong} of {wrong} wrong answers, {r.flagged_right} of {r.right} right"
         )
