@@ -254,6 +254,12 @@ def test_trust_fit_job_fits_once_publishes_and_skips_when_one_exists(
     assert first["version"] == retried["version"] == second["version"] == model.version
     assert (first["items"], first["level"], second["skipped"]) == (fit_half, "dense", True)
     assert 0 < first["right"] < fit_half
+    # Flag thresholds from up to 100 healthy answers of each kind (the tiny model's short
+    # context skips the longer prompts), each kind's category kept.
+    asked = model.flag_fit["dense"]["kinds"]
+    assert set(asked) == set(TrustSettings().flag_kinds)
+    assert all(0 < v["requests"] <= 100 for v in asked.values())
+    assert model.flag_categories == {"chat": "text", "qa": "text", "code": "code", "prose": "text"}
     assert model.fit_data["job_id"] == 1 and model.fit_data["reason"] == "first-serve"
     assert len(list(settings.trust_dir.glob("trust-*.json"))) == 1
     messages = trust_messages(kafka_broker.bootstrap, telemetry.control_topic)
