@@ -1,8 +1,8 @@
 """Trust models without a restart: the control codec's trust-model message (calibration messages
 read as before), the judge rebuilt with the models that arrived, a gateway on a real broker
 that scores by the rule until a published trust model arrives and then by the model, and the
-`trust_fit` job's plain function (fit once, publish, skip when one exists), which `up` queues
-when the served model has no trust model."""
+`trust_fit` job's plain function (a model per level, fit once, published, skipped when one
+exists), which `up` queues when the served model has no trust model."""
 
 from __future__ import annotations
 
@@ -234,36 +234,76 @@ def trust_messages(bootstrap: str, topic: str) -> list[TrustModelPublished]:
     return [m for m in found if isinstance(m, TrustModelPublished)]
 
 
-def test_trust_fit_job_fits_once_publishes_and_skips_when_one_exists(
+def test_trust_fit_job_fits_a_model_per_level_once_publishes_and_skips_those_that_exist(
     kafka_broker: Broker, tmp_path: Path
 ) -> None:
     telemetry = TelemetrySettings(bootstrap_servers=kafka_broker.bootstrap, partitions=1)
-    settings = Settings(home=tmp_path, telemetry=telemetry)
+    trust = TrustSettings(flag_requests=30)  # healthy answers a kind and level: fewer, for CI
+    settings = Settings(home=tmp_path, telemetry=telemetry, trust=trust)
     engine = tiny_engine(cache=False)
     qa = write_qa(tmp_path / "qa.jsonl", qa_items(engine, 20, 3))
-    params = {"data": str(qa), "n": 10, "level": "dense", "max_new_tokens": 3, "if_missing": True}
+    params = {"data": str(qa), "n": 10, "level": "dense,balanced", "max_new_tokens": 3,
+              "if_missing": True}  # fmt: skip
     fit_half = len(qa_sample(load_qa(str(qa), tmp_path), "fit", 10))  # the other half: eval
     first = fit_trust(settings, ClaimedJob(1, "trust_fit", "first-serve", params, 1), engine)
     retried = fit_trust(settings, ClaimedJob(1, "trust_fit", "first-serve", params, 2), engine)
     second = fit_trust(settings, ClaimedJob(2, "trust_fit", "first-serve", params, 1), engine)
+    rest = {**params, "level": "balanced,all"}  # the levels not fit yet: conservative, aggressive
+    third = fit_trust(settings, ClaimedJob(3, "trust_fit", "x", rest, 1), engine)
     with pytest.raises(ValueError, match="unknown level"):
-        fit_trust(settings, ClaimedJob(3, "trust_fit", "x", {"level": "turbo"}, 1), engine)
+        fit_trust(settings, ClaimedJob(4, "trust_fit", "x", {"level": "turbo"}, 1), engine)
     with pytest.raises(ValueError, match="Extra inputs"):
-        fit_trust(settings, ClaimedJob(4, "trust_fit", "x", {"levels": ["dense"]}, 1), engine)
-    model = TrustStore(settings.trust_dir).latest("tiny-llama", "dense")
-    assert first["version"] == retried["version"] == second["version"] == model.version
-    assert (first["items"], first["level"], second["skipped"]) == (fit_half, "dense", True)
-    assert 0 < first["right"] < fit_half
-    # Flag thresholds from up to 100 healthy answers of each kind (the tiny model's short
-    # context skips the longer prompts), each kind's category kept.
-    asked = model.flag_fit["dense"]["kinds"]
-    assert set(asked) == set(TrustSettings().flag_kinds)
-    assert all(0 < v["requests"] <= 100 for v in asked.values())
-    assert model.flag_categories == {"chat": "text", "qa": "text", "code": "code", "prose": "text"}
-    assert model.fit_data["job_id"] == 1 and model.fit_data["reason"] == "first-serve"
-    assert len(list(settings.trust_dir.glob("trust-*.json"))) == 1
+        fit_trust(settings, ClaimedJob(5, "trust_fit", "x", {"levels": ["dense"]}, 1), engine)
+    store = TrustStore(settings.trust_dir)
+    models = {level.value: store.latest("tiny-llama", level.value) for level in Level}
+    versions = {level: model.version for level, model in models.items()}
+    assert {level: m["version"] for level, m in first["models"].items()} == {
+        "dense": versions["dense"],
+        "balanced": versions["balanced"],
+    }
+    assert retried["models"] == first["models"] and second["models"] == {}
+    assert second["skipped"] == {"dense": versions["dense"], "balanced": versions["balanced"]}
+    assert list(third["models"]) == ["conservative", "aggressive"]
+    assert all(
+        m["items"] == fit_half and 0 < m["right"] < fit_half for m in first["models"].values()
+    )
+    # Each model fit on answers at its own level, and given flag thresholds at every level.
+    assert {level: m.fit_data["level"] for level, m in models.items()} == {v: v for v in versions}
+    assert models["dense"].weights != models["balanced"].weights
+    assert all(set(m.flag_fit) == set(versions) for m in models.values())
+    # From up to 30 healthy answers of each kind (the tiny model's short context skips the
+    # longer prompts), each kind's category kept.
+    asked = models["dense"].flag_fit["dense"]["kinds"]
+    assert set(asked) == set(trust.flag_kinds)
+    assert all(0 < v["requests"] <= 30 for v in asked.values())
+    assert models["dense"].flag_categories == {"chat": "text", "qa": "text", "code": "code",
+                                               "prose": "text"}  # fmt: skip
+    assert models["dense"].fit_data["job_id"] == 1
+    assert models["dense"].fit_data["reason"] == "first-serve"
+    assert len(list(settings.trust_dir.glob("trust-*.json"))) == 4
     messages = trust_messages(kafka_broker.bootstrap, telemetry.control_topic)
-    assert [(m.model.version, m.reason) for m in messages] == [(model.version, "first-serve")] * 2
+    published_first = sorted([versions["dense"], versions["balanced"]])
+    assert sorted(m.model.version for m in messages[:4]) == sorted(published_first * 2)
+    assert [m.model.version for m in messages[4:]] == [
+        versions["conservative"],
+        versions["aggressive"],
+    ]
+
+
+def test_a_fit_spec_names_its_levels_in_order_and_all_adds_the_served_rest() -> None:
+    served = [Level.AGGRESSIVE, Level.DENSE, Level.BALANCED]
+    assert FitSpec(level="Balanced, all").level == "balanced,all"
+    assert FitSpec(level="balanced,all").levels(served) == [
+        Level.BALANCED,
+        Level.DENSE,
+        Level.AGGRESSIVE,
+    ]
+    assert FitSpec(level="aggressive,dense").levels(served) == [Level.AGGRESSIVE, Level.DENSE]
+    assert FitSpec(level="all").levels(served) == [Level.DENSE, Level.BALANCED, Level.AGGRESSIVE]
+    with pytest.raises(ValueError, match="names a level twice"):
+        FitSpec(level="dense,all,dense")
+    with pytest.raises(ValueError, match="unknown level"):
+        FitSpec(level="dense,turbo")
 
 
 def test_closed_mode_answers_the_fit_half_without_the_passages(tmp_path: Path) -> None:
@@ -313,5 +353,5 @@ def test_up_queues_the_first_trust_fit_only_when_the_served_model_has_none(tmp_p
         "first-serve",
         "queued",
     )
-    assert job.params == {"n": 50, "level": "balanced", "if_missing": True, "data": "halueval",
+    assert job.params == {"n": 50, "level": "balanced,all", "if_missing": True, "data": "halueval",
                           "split": "fit", "mode": "serve", "max_new_tokens": 32}  # fmt: skip

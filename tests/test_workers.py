@@ -347,14 +347,15 @@ def test_a_trust_fit_job_on_a_worker_reaches_a_running_gateway_without_a_restart
             job = job_row(sessions, job_id)
             assert job.status == "succeeded", worker.output()[-3000:]
             assert job.result is not None
-            version = job.result["version"]
+            (fitted,) = job.result["models"].values()
+            version = fitted["version"]
             wait_until(lambda: serving_versions(runtime.trust)["default"] == version, 30, 0.2)
         finally:
             worker.stop()
     # The fit half of the file: the items whose passage hashes to it (the greedy answers, and
     # so the passages, vary with the machine's arithmetic).
     fit_items = len(qa_sample(load_qa(str(qa), tmp_path / "cache"), "fit", 10))
-    assert job.result["items"] == fit_items and 0 < job.result["right"] < fit_items
+    assert fitted["items"] == fit_items and 0 < fitted["right"] < fit_items
     (message,) = trust_messages(kafka_broker.bootstrap, settings.telemetry.control_topic)
     assert (message.model.version, message.reason) == (version, "first-serve")
     assert message.model.fit_data["job_id"] == job_id

@@ -46,8 +46,12 @@ def register(commands: Any) -> None:
     check.set_defaults(handler=golden_check)
     trust = job.add_parser("trust-fit", help="fit the trust model on a worker and publish it")
     trust.add_argument("--n", type=int, help="QA items to answer (default 200)")
-    trust.add_argument("--level", help="level to answer at (default: settings)")
-    trust.add_argument("--if-missing", action="store_true", help="skip when the level has one")
+    trust.add_argument(
+        "--level",
+        help="level to answer at, or several joined by ',' (one model each); 'all': every "
+        "served level not named before it (default: settings)",
+    )
+    trust.add_argument("--if-missing", action="store_true", help="skip levels that have one")
     _run_options(trust)
     trust.set_defaults(handler=trust_fit)
     base = job.add_parser(

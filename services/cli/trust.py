@@ -13,7 +13,7 @@ from tqdm import tqdm
 from services.cli.common import emit, emit_json, eval_commands
 from services.config import Settings
 from services.shared.engine import build_engine
-from services.workers.trust_fit import FitSpec, answers, fit_model, healthy_answers
+from services.workers.trust_fit import FitSpec, answers, fit_models, healthy_answers
 from sparse_engine.data.qa_sets import QA_SETS
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.sparsity.plan import Level
@@ -31,12 +31,12 @@ def register(commands: Any) -> None:
         dest="action", required=True
     )
     fitting = trust.add_parser("fit", help="fit the trust model on graded QA answers")
-    data_args(fitting, n=200)
+    data_args(fitting, n=200, many_levels=True)
     fitting.add_argument(
         "--l2", type=float, help="L2 penalty on the weights (default: chosen by 5-fold CV)"
     )
     fitting.add_argument(
-        "--if-missing", action="store_true", help="do nothing when a model for the level exists"
+        "--if-missing", action="store_true", help="skip the levels that have a model"
     )
     fitting.set_defaults(handler=fit_trust)
     evaluate = eval_commands(commands)
@@ -50,17 +50,24 @@ def register(commands: Any) -> None:
     eval_trust.set_defaults(handler=eval_trust_score)
 
 
-def data_args(parser: argparse.ArgumentParser, n: int) -> None:
+def data_args(parser: argparse.ArgumentParser, n: int, many_levels: bool = False) -> None:
     parser.add_argument(
         "--data", default=HALUEVAL, help=f"{', '.join(QA_SETS)}, or a QA JSONL file"
     )
-    answer_args(parser, n)
+    answer_args(parser, n, many_levels)
 
 
-def answer_args(parser: argparse.ArgumentParser, n: int) -> None:
-    """How items are answered and scored: the arguments every trust command shares."""
+def answer_args(parser: argparse.ArgumentParser, n: int, many_levels: bool = False) -> None:
+    """How items are answered and scored: the arguments every trust command shares.
+    `many_levels`: --level takes several (a fit makes one model each)."""
     parser.add_argument("--n", type=int, default=n, help="items (about; from one half of the set)")
-    parser.add_argument("--level", default="balanced", help="sparsity level to answer at")
+    level_help = (
+        "sparsity level to answer at, or several joined by ',' (one model each, fit in that "
+        "order); 'all': every served level not named before it (e.g. balanced,all)"
+        if many_levels
+        else "sparsity level to answer at"
+    )
+    parser.add_argument("--level", default="balanced", help=level_help)
     parser.add_argument("--max-new-tokens", type=int, default=32, help="answer length")
     parser.add_argument("--model", help="model name, HF directory or GGUF file")
     parser.add_argument(
@@ -78,25 +85,27 @@ def answer_args(parser: argparse.ArgumentParser, n: int) -> None:
 
 
 def fit_trust(args: argparse.Namespace, settings: Settings) -> int:
-    spec = spec_of(args, "fit")
+    spec = spec_of(args, "fit", many_levels=True)
     eng = build_engine(settings, args.model)
-    if args.if_missing:
+    store, levels = TrustStore(settings.trust_dir), spec.levels(eng.plans)
+    for level in list(levels) if args.if_missing else ():
         try:
-            found = TrustStore(settings.trust_dir).latest(eng.lm.model_id, spec.level, spec.mode)
+            found = store.latest(eng.lm.model_id, level.value, spec.mode)
         except LookupError:
-            pass
-        else:
-            emit(f"trust model {found.version} exists for {spec.level}; nothing to do")
-            return 0
-    with _bar(spec, healthy_answers(settings, eng)) as bar:
-        model, records = fit_model(settings, eng, spec, progress=bar.update)
-    fitted = report(records, model, None, settings.signals.late_band)
-    emit(
-        f"trust model {model.version}: {len(records)} answers ({model.fit_data['right']} right); "
-        f"groups {', '.join(model.group_names)}; cross-validated AUROC "
-        f"{model.fit_data['cv_auroc']}, in-sample {fitted.trust_auroc:.3f}; saved in "
-        f"{settings.trust_dir}"
-    )
+            continue
+        emit(f"trust model {found.version} exists for {level.value}; skipped")
+        levels.remove(level)
+    if not levels:
+        return 0
+    with _bar(spec, levels, healthy_answers(settings, eng)) as bar:
+        for model, records in fit_models(settings, eng, spec, levels, progress=bar.update):
+            fitted = report(records, model, None, settings.signals.late_band)
+            emit(
+                f"trust model {model.version} at {model.level}: {len(records)} answers "
+                f"({model.fit_data['right']} right); groups {', '.join(model.group_names)}; "
+                f"cross-validated AUROC {model.fit_data['cv_auroc']}, in-sample "
+                f"{fitted.trust_auroc:.3f}; saved in {settings.trust_dir}"
+            )
     return 0
 
 
@@ -116,8 +125,9 @@ def eval_trust_score(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-def spec_of(args: argparse.Namespace, split: str) -> FitSpec:
-    """The fit or evaluation spec of the arguments (bad ones fail before the model loads)."""
+def spec_of(args: argparse.Namespace, split: str, many_levels: bool = False) -> FitSpec:
+    """The fit or evaluation spec of the arguments (bad ones fail before the model loads);
+    `many_levels`: --level may name several."""
     if args.n < 1:
         raise ValueError("--n must be at least 1")
     if args.upstream and args.mode != "proxy":
@@ -126,7 +136,7 @@ def spec_of(args: argparse.Namespace, split: str) -> FitSpec:
         data=args.data,
         n=args.n,
         split=split,
-        level=Level.parse(args.level).value,
+        level=args.level if many_levels else Level.parse(args.level).value,
         max_new_tokens=args.max_new_tokens,
         l2=getattr(args, "l2", None),
         model=args.model,
@@ -135,11 +145,13 @@ def spec_of(args: argparse.Namespace, split: str) -> FitSpec:
     )
 
 
-def _bar(spec: FitSpec, healthy: int = 0) -> tqdm[Any]:
-    """`healthy`: the healthy answers of the flag thresholds, after the items."""
-    then = ", then healthy prompts at every level" if healthy else ""
-    desc = f"answering {spec.data} at {spec.level}{then}"
-    return tqdm(total=spec.n + healthy, unit="answer", desc=desc)
+def _bar(spec: FitSpec, levels: list[Level] | None = None, healthy: int = 0) -> tqdm[Any]:
+    """`levels`: those a fit answers at (default: the spec's one); `healthy`: the healthy
+    answers of the flag thresholds, after the first level's items."""
+    named = ",".join(level.value for level in levels) if levels else spec.level
+    then = ", and healthy prompts at every level" if healthy else ""
+    desc = f"answering {spec.data} at {named}{then}"
+    return tqdm(total=spec.n * len(levels or [0]) + healthy, unit="answer", desc=desc)
 
 
 def _trust_model(

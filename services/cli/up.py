@@ -141,23 +141,27 @@ def urls(settings: Settings, broker: Broker) -> str:
 
 
 def queue_trust_fit(settings: Settings, n: int) -> int | None:
-    """Queue the trust fit of the served model at the default level when it has no trust
-    model (and none is pinned). It runs now that the stack is up, rather than before, so the
-    first serve does not wait minutes for it: until it publishes the model on the control
-    topic, where the gateway installs it, trust is the rule score."""
+    """Queue the trust fits of the served model when it has no trust model at the default level
+    (and none is pinned): one model per served level, the default level's first, levels that
+    have one skipped. It runs now that the stack is up, rather than before, so the first serve
+    does not wait minutes for it: until it publishes a level's model on the control topic, where
+    the gateway installs it, trust at that level is scored by another level's model, or by the
+    rule before the first arrives."""
     level, mode = settings.engine.default_level, settings.gateway.mode
     model_id = resolve_model(settings.engine.model, settings.cache_home).name  # as load_model
     if settings.trust.model_version or _has_trust_model(settings, model_id, level, mode):
         return None
-    spec = FitSpec(n=n, level=level, mode=mode, if_missing=True)
+    spec = FitSpec(n=n, level=f"{level},all", mode=mode, if_missing=True)
     job_id = _queue(settings, "trust_fit", spec.params())
     log.info(
-        "no trust model for %s at %s yet: job %d fits one on the worker (%d items, minutes); "
-        "the gateway scores trust by the rule until it arrives. Follow it with "
+        "no trust model for %s at %s yet: job %d fits one on the worker for each served level, "
+        "%s first (%d items a level, minutes a level); the gateway scores trust by the rule "
+        "until the first arrives. Follow it with "
         "`sparseguard jobs show %d`",
         model_id,
         level,
         job_id,
+        level,
         n,
         job_id,
     )

@@ -1,17 +1,19 @@
 """Fitting the trust model: answer graded QA items at a level, fit the logistic model on their
-signals, save it. `sparseguard trust fit` runs it in the foreground; the Celery `trust_fit` job
+signals, save it; one model per level asked for (a model fit at one level scores another's
+answers by extrapolation: a balanced model put Gemma 3's dense answers near 0, README).
+`sparseguard trust fit` runs it in the foreground; the Celery `trust_fit` job
 (`fit_trust`, queued by `sparseguard up` when the served model has none) runs it after the
 stack is up and publishes the model on the control topic, where every gateway serving the
 model installs it without a restart.
 
-A job makes at most one model: the model records its job id, so a retried job finds it and only
-publishes it again. With `if_missing`, a job for a model and level that already has one does
-nothing, so a second job queued before the first finished costs only a model load."""
+A job makes at most one model a level: each records its job id, so a retried job finds those it
+made and only publishes them again. With `if_missing`, a job skips the levels that already have
+a model, so a second job queued before the first finished costs only a model load."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,12 +28,14 @@ from sparse_engine.jsonstore import JsonStore
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.sparsity.plan import Level
 from sparse_engine.trust.evaluate import QARecord, RecordSet, collect
+from sparse_engine.trust.features import RequestSignals
 from sparse_engine.trust.flagging import healthy_signals, set_flag_thresholds
 from sparse_engine.trust.model import TrustModel, TrustModelNotFoundError, TrustStore, fit
 from sparse_engine.trust.proxy import Given, score_given, upstream_answers
 from sparse_engine.trust.qa import HALUEVAL, QAItem, load_qa, qa_sample
 
 log = logging.getLogger(__name__)
+ALL = "all"  # in a spec's levels: every served level not named before it
 LOG_EVERY = 25  # answers between progress lines in a worker's log
 Progress = Callable[[int], object]
 
@@ -42,7 +46,10 @@ class FitSpec(BaseModel):
     Proxy mode scores answers teacher-forced, as the gateway's proxy mode does: those of the
     `upstream` model (a local model standing in for the upstream API), or the served model's
     own when none is named. Closed mode answers the questions without their passages, as a
-    route that retrieves on low trust is asked them."""
+    route that retrieves on low trust is asked them. `level`: one level, or several joined by
+    ',' (one model each, fit in that order); `all` stands for every served level not named
+    before it, so `balanced,all` fits balanced first, then dense and the other calibrated
+    levels."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     data: str = HALUEVAL  # a packaged QA set or a QA JSONL file; several joined by '+' pool
@@ -58,8 +65,12 @@ class FitSpec(BaseModel):
 
     @field_validator("level")
     @classmethod
-    def _known_level(cls, level: str) -> str:
-        return Level.parse(level).value  # fails before the model loads
+    def _known_levels(cls, level: str) -> str:
+        parts = [p.strip().lower() for p in level.split(",")]
+        named = [p if p == ALL else Level.parse(p).value for p in parts]  # before the model loads
+        if len(set(named)) < len(named):
+            raise ValueError(f"level {level!r} names a level twice")
+        return ",".join(named)
 
     @model_validator(mode="after")
     def _upstream_in_proxy_mode(self) -> FitSpec:
@@ -69,6 +80,16 @@ class FitSpec(BaseModel):
 
     def params(self) -> dict[str, Any]:
         return self.model_dump(exclude_none=True)
+
+    def levels(self, served: Iterable[Level]) -> list[Level]:
+        """The levels to fit at, in order: those named, then for `all` the `served` ones (dense
+        and each calibrated level) not named."""
+        parts = self.level.split(",")
+        named = [Level(p) for p in parts if p != ALL]
+        if ALL in parts:
+            rest = sorted(set(served) - set(named), key=list(Level).index)
+            named += rest
+        return named
 
 
 def answers(
@@ -116,89 +137,114 @@ def answers(
     return score_given(eng, items, scored, level, records_at)
 
 
-def fit_model(
+def fit_models(
     settings: Settings,
     eng: Engine,
     spec: FitSpec,
+    levels: Iterable[Level],
     extra: dict[str, Any] | None = None,
     progress: Progress = lambda _: None,
-) -> tuple[TrustModel, list[QARecord]]:
-    """Answer, fit, set the flag thresholds on healthy answers of each kind (`trust.flagging`)
-    and save; `extra` goes into the model's fit_data."""
-    records = answers(settings, eng, spec, progress)
-    model = fit(
-        [r.signals for r in records],
-        [r.correct for r in records],
-        model_id=eng.lm.model_id,
-        level=spec.level,
-        fit_data={
-            "data": spec.data,
-            "split": spec.split,
-            "n": len(records),
-            "level": spec.level,
-            "upstream": spec.upstream,
-            **(extra or {}),
-        },
-        l2=spec.l2,
-        late_band=settings.signals.late_band,
-        mode=spec.mode,
-    )
-    # Thresholds per served level and healthy kind: a sparser level's answers score lower, so
-    # a threshold measured at one level flags a quarter of another's healthy chat, and one
-    # measured on chat flagged most prose and summaries (README).
+) -> Iterator[tuple[TrustModel, list[QARecord]]]:
+    """At each of `levels`: answer, fit, set the flag thresholds on healthy answers of each kind
+    at every served level (`trust.flagging`; answered once, on the first model's turn) and save.
+    Yields each model as it is saved, so the first can serve while the next is fit; `extra`
+    goes into each model's fit_data."""
+    cfg, prompts = settings.trust, _flag_prompts(settings)
+    healthy: dict[Level, dict[str, list[RequestSignals]]] = {}
+    for at in levels:
+        records = answers(settings, eng, spec.model_copy(update={"level": at.value}), progress)
+        model = fit(
+            [r.signals for r in records],
+            [r.correct for r in records],
+            model_id=eng.lm.model_id,
+            level=at.value,
+            fit_data={
+                "data": spec.data,
+                "split": spec.split,
+                "n": len(records),
+                "level": at.value,
+                "upstream": spec.upstream,
+                **(extra or {}),
+            },
+            l2=spec.l2,
+            late_band=settings.signals.late_band,
+            mode=spec.mode,
+        )
+        # Thresholds per served level and healthy kind: a sparser level's answers score lower,
+        # so a threshold measured at one level flags a quarter of another's healthy chat, and
+        # one measured on chat flagged most prose and summaries (README).
+        for level in sorted(eng.plans, key=list(Level).index):  # dense and every sparse level
+            if level not in healthy:
+                healthy[level] = healthy_signals(
+                    eng, level, prompts, spec.max_new_tokens, progress, spec.mode
+                )
+            set_flag_thresholds(
+                model, healthy[level], cfg.flag_budget, level.value, prompts, cfg.flag_confidence
+            )
+        yield TrustStore(settings.trust_dir).save(model), records
+
+
+def _flag_prompts(settings: Settings) -> list[traffic.Prompt]:
+    """The healthy prompts of the flag thresholds: each kind both ways, as the baseline pass
+    sends it."""
     cfg = settings.trust
-    prompts = traffic.half_with_system(  # each kind both ways, as the baseline pass sends it
+    return traffic.half_with_system(
         [
             prompt
             for kind in cfg.flag_kinds
             for prompt in traffic.healthy(kind, settings.cache_home, "baseline", cfg.flag_requests)
         ]
     )
-    for level in sorted(eng.plans, key=list(Level).index):  # dense and every sparse level
-        healthy = healthy_signals(eng, level, prompts, spec.max_new_tokens, progress, spec.mode)
-        set_flag_thresholds(
-            model, healthy, cfg.flag_budget, level.value, prompts, cfg.flag_confidence
-        )
-    return TrustStore(settings.trust_dir).save(model), records
 
 
 def fit_trust(settings: Settings, job: ClaimedJob, engine: Engine | None = None) -> dict[str, Any]:
-    """The `trust_fit` job: fit (unless `if_missing` finds one, or this job already made one)
-    and publish the model on the control topic. `engine`: the one to answer with (default:
-    the served model as the gateway builds it)."""
+    """The `trust_fit` job: fit a model at each of the spec's levels (but those this job already
+    made, and with `if_missing` those that have one) and publish each on the control topic as it
+    is saved. `engine`: the one to answer with (default: the served model as the gateway builds
+    it)."""
     spec = FitSpec.model_validate(job.params)  # ValidationError: a ValueError
     eng = engine or build_engine(settings, spec.model)
-    model = made_by(settings, job.id)
-    if model is None and spec.if_missing:
-        existing = _existing(settings, eng.lm.model_id, spec.level, spec.mode)
-        if existing is not None:
-            log.info("job %d: trust model %s exists; nothing to do", job.id, existing.version)
-            return {"version": existing.version, "skipped": True}
-    if model is None:
-        log.info("job %d: answering %d %s items at %s", job.id, spec.n, spec.data, spec.level)
-        extra = {"job_id": job.id, "reason": job.reason}
-        total = spec.n + healthy_answers(settings, eng)
-        model, _ = fit_model(settings, eng, spec, extra, _log_progress(job.id, total))
-    else:
+    levels = [level.value for level in spec.levels(eng.plans)]
+    made = {level: m for level, m in made_by(settings, job.id).items() if level in levels}
+    kept = {}
+    for level in levels if spec.if_missing else ():
+        existing = _existing(settings, eng.lm.model_id, level, spec.mode)
+        if level not in made and existing is not None:
+            log.info("job %d: trust model %s exists; %s skipped", job.id, existing.version, level)
+            kept[level] = existing.version
+    for model in made.values():
         log.info("job %d already made %s; publishing it", job.id, model.version)
-    publish_trust_model(settings.telemetry, model, job.reason)
-    log.info("published trust model %s (%s)", model.version, job.reason)
+        publish_trust_model(settings.telemetry, model, job.reason)
+    todo = [Level(level) for level in levels if level not in made and level not in kept]
+    if todo:
+        log.info("job %d: answering %d %s items at %s", job.id, spec.n, spec.data, todo)
+        extra = {"job_id": job.id, "reason": job.reason}
+        total = spec.n * len(todo) + healthy_answers(settings, eng)
+        progress = _log_progress(job.id, total)
+        for model, _ in fit_models(settings, eng, spec, todo, extra, progress):
+            publish_trust_model(settings.telemetry, model, job.reason)
+            log.info("published trust model %s (%s)", model.version, job.reason)
+            made[model.level] = model
     return {
-        "version": model.version,
-        "model": model.model_id,
-        "level": model.level,
-        "items": model.fit_data["items"],
-        "right": model.fit_data["right"],
-        "cv_auroc": model.fit_data["cv_auroc"],
+        "model": eng.lm.model_id,
+        "models": {
+            level: {
+                "version": m.version,
+                **{k: m.fit_data[k] for k in ("items", "right", "cv_auroc")},
+            }
+            for level, m in made.items()
+        },
+        "skipped": kept,
     }
 
 
-def made_by(settings: Settings, job_id: int) -> TrustModel | None:
-    """The trust model that job `job_id` saved, if any."""
-    for data in JsonStore(settings.trust_dir).all("trust-*.json"):
-        if data.get("fit_data", {}).get("job_id") == job_id:
-            return TrustModel.from_dict(data)
-    return None
+def made_by(settings: Settings, job_id: int) -> dict[str, TrustModel]:
+    """The trust models that job `job_id` saved, by level."""
+    return {
+        data["level"]: TrustModel.from_dict(data)
+        for data in JsonStore(settings.trust_dir).all("trust-*.json")
+        if data.get("fit_data", {}).get("job_id") == job_id
+    }
 
 
 def _existing(settings: Settings, model_id: str, level: str, mode: str) -> TrustModel | None:
