@@ -133,6 +133,20 @@ def test_fit_learns_the_informative_feature_and_generalises(tmp_path: Path) -> N
     assert flagged.flagged_wrong > 2 * flagged.flagged_right  # the low scores are mostly wrong
     assert report(train, model, {"data": "synthetic", "split": "fit", "n": 10}).held_out is False
     assert all(0.0 <= model.score(r.signals) <= 1.0 for r in test)
+    # A probability at its own level: its mean near the share right, its Brier score well under
+    # that of saying the share right for every answer; an answer scored far outside the data
+    # it was fit on (as a model fit at another level scores) is not.
+    scores = [model.score(r.signals) for r in test]
+    assert held.mean_trust == pytest.approx(sum(scores) / len(scores))
+    assert held.brier == pytest.approx(
+        sum((v - r.correct) ** 2 for v, r in zip(scores, test, strict=True)) / len(test)
+    )
+    assert abs(held.mean_trust - held.right / held.n) < 0.1
+    assert held.brier < 0.8 * held.brier_reference
+    shifted = [dataclasses.replace(r, signals=_far(r.signals)) for r in test]
+    far = report(shifted, model, None)
+    assert far.brier is not None and far.brier > far.brier_reference
+    assert report(test, None, None).brier is None
     store = TrustStore(tmp_path)
     saved = store.save(model)
     assert saved.version.startswith("trust-serve-balanced-")
@@ -140,6 +154,11 @@ def test_fit_learns_the_informative_feature_and_generalises(tmp_path: Path) -> N
     assert store.load(saved.version).score(test[0].signals) == model.score(test[0].signals)
     with pytest.raises(TrustModelNotFoundError, match="sparseguard trust fit"):
         store.latest("other-model")
+
+
+def _far(signals: RequestSignals) -> RequestSignals:
+    """The same answer with its confidence signal far outside the fit's range."""
+    return dataclasses.replace(signals, mean_logprob=signals.mean_logprob - 20.0)
 
 
 def test_answer_channel_probe_from_generation_and_teacher_forcing() -> None:

@@ -184,6 +184,11 @@ def _print(r: TrustReport) -> None:
         f"late-layer silence: {r.silence_wrong:.4f} on wrong answers vs {r.silence_right:.4f} "
         f"on right ones ({r.silence_moves})"
     )
+    if r.mean_trust is not None and r.brier is not None:
+        emit(
+            f"mean trust score {r.mean_trust:.3f} against {r.right / r.n:.3f} right; Brier score "
+            f"{r.brier:.4f} (saying the share right for every answer: {r.brier_reference:.4f})"
+        )
     if r.flag_threshold is not None:
         wrong = r.n - r.right
         emit(

@@ -58,6 +58,16 @@ class TrustReport:
     flag_threshold: float | None = None
     flagged_wrong: int = 0
     flagged_right: int = 0
+    # Is the model's score a probability of a right answer at this level? Its mean against the
+    # share right, and its Brier score against that of saying the share right for every answer
+    # (share * (1 - share)); None without a model.
+    mean_trust: float | None = None
+    brier: float | None = None
+
+    @property
+    def brier_reference(self) -> float:
+        share = self.right / self.n if self.n else 0.0
+        return share * (1 - share)
 
     @property
     def trust_auroc(self) -> float:
@@ -88,6 +98,7 @@ class TrustReport:
             "best_baseline": self.best_baseline,
             "best_baseline_auroc": self.best_baseline_auroc,
             "silence_moves": self.silence_moves,
+            "brier_reference": self.brier_reference,
         }
 
 
@@ -108,10 +119,9 @@ def report(
         return rule_score(s, late_band)
 
     trust: Reader = model.score if model else rule
-    flagged = [flag_below is not None and trust(s) < flag_below for s in signals]
-    rows = [
-        SignalRow("trust_score", "trust", auroc([1 - trust(s) for s in signals], wrong), "lower")
-    ]
+    scores = [trust(s) for s in signals]
+    flagged = [flag_below is not None and score < flag_below for score in scores]
+    rows = [SignalRow("trust_score", "trust", auroc([1 - v for v in scores], wrong), "lower")]
     if model:
         rows.append(_row("rule_score", "rule", [1 - rule(s) for s in signals], wrong))
     late = [s.late_silence(late_band) for s in signals]
@@ -134,6 +144,10 @@ def report(
         flag_threshold=flag_below,
         flagged_wrong=sum(f and w for f, w in zip(flagged, wrong, strict=True)),
         flagged_right=sum(f and not w for f, w in zip(flagged, wrong, strict=True)),
+        mean_trust=_mean(scores) if model else None,
+        brier=_mean([(v - (not w)) ** 2 for v, w in zip(scores, wrong, strict=True)])
+        if model
+        else None,
     )
 
 
