@@ -65,6 +65,11 @@ def test_retrieval_puts_the_fact_into_smollm_s_answer(
     assert "marmalade" in response.json()["choices"][0]["message"]["content"].lower()
 
 
+def main_out(capsys: pytest.CaptureFixture[str], args: list[str]) -> str:
+    assert main(args) == 0
+    return capsys.readouterr().out
+
+
 def test_trust_fit_and_eval_cli_on_a_qa_file(
     cli_home: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -94,3 +99,12 @@ def test_trust_fit_and_eval_cli_on_a_qa_file(
     assert json.loads(capsys.readouterr().out)["n"] == 2 * fit_half
     assert main(["eval", "trust", *common, "--upstream", "SmolLM2-135M-Instruct"]) == 2
     assert "add --mode proxy" in capsys.readouterr().err
+    report = json.loads(main_out(capsys, ["eval", "trust", *common, "--json"]))
+    assert 0 < report["mean_trust"] < 1 and 0 <= report["brier"] <= 1
+    # A fit asked for a level that has a model, with --if-missing, fits nothing; one asked
+    # for a level twice is refused before the model loads.
+    assert main(["trust", "fit", *common, "--level", "balanced", "--if-missing"]) == 0
+    assert "exists for balanced; skipped" in capsys.readouterr().out
+    assert len(list((cli_home / "trust").glob("trust-*.json"))) == 1
+    assert main(["trust", "fit", *common, "--level", "dense,Dense"]) == 2
+    assert "names a level twice" in capsys.readouterr().err

@@ -7,6 +7,8 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
+from pydantic import ValidationError
+
 from services.cli import (
     aggregator,
     alerts,
@@ -95,6 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Handler = args.handler
     try:
         return handler(args, settings)
+    except ValidationError as exc:  # a spec built from the arguments: name the field, no URL
+        log.debug("command failed", exc_info=True)
+        sys.stderr.write(f"sparseguard: error: {plain(exc)}\n")
+        return 2
     except (ValueError, LookupError, OSError) as exc:
         log.debug("command failed", exc_info=True)
         sys.stderr.write(f"sparseguard: error: {exc}\n")
@@ -102,6 +108,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("sparseguard: interrupted\n")
         return 130
+
+
+def plain(exc: ValidationError) -> str:
+    """A validation error as one line: each field and what is wrong with it."""
+    return "; ".join(
+        f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
+        for e in exc.errors()
+    )
 
 
 if __name__ == "__main__":

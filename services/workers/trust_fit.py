@@ -69,7 +69,7 @@ class FitSpec(BaseModel):
         parts = [p.strip().lower() for p in level.split(",")]
         named = [p if p == ALL else Level.parse(p).value for p in parts]  # before the model loads
         if len(set(named)) < len(named):
-            raise ValueError(f"level {level!r} names a level twice")
+            raise ValueError(f"{level!r} names a level twice")
         return ",".join(named)
 
     @model_validator(mode="after")
