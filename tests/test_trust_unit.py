@@ -189,6 +189,29 @@ def test_answer_channel_probe_from_generation_and_teacher_forcing() -> None:
         )
 
 
+def test_a_signal_constant_in_the_fit_data_does_not_decide_a_new_answers_score() -> None:
+    """Every fit answer ran to the token limit (as Gemma 3's dense QA answers did): a shorter
+    answer later must be scored on the signals the fit learned from, not on its length over a
+    zero spread (which gave logits of -2e4 and scores of exactly 0)."""
+    train, test = _records(300, 0), _records(200, 1)
+    for r in train:
+        r.signals.length = 33
+    model = fit(
+        [r.signals for r in train],
+        [r.correct for r in train],
+        model_id="m",
+        level="dense",
+        fit_data={},
+    )
+    length_std = model.groups[0].std[FEATURES.index("log_length")]
+    assert length_std == 1.0  # no spread: unscaled
+    for r in test:
+        r.signals.length = 5
+    shorter = [model.score(r.signals) for r in test]
+    assert min(shorter) > 1e-6 and max(shorter) < 1 - 1e-6
+    assert report(test, model, None).trust_auroc > 0.9  # still read by its confidence
+
+
 def test_fit_refuses_data_with_one_class() -> None:
     sigs = [RequestSignals(mean_logprob=-1.0)] * 5
     with pytest.raises(ValueError, match="both right and wrong"):

@@ -43,6 +43,7 @@ SCALAR = "scalar"  # the named signals: standardised, never reduced
 FOLDS = 5
 DEFAULT_L2 = 0.1
 ATTENTION = ("lookback", "attn_entropy")
+NO_SPREAD = 1e-6  # a column with less spread than this on the fit data is a constant there
 Vectors = dict[str, torch.Tensor]
 
 
@@ -62,7 +63,7 @@ class Group:
 
     @classmethod
     def fit(cls, name: str, x: torch.Tensor, components: int) -> Group:
-        mean, std = x.mean(0), x.std(0, unbiased=False).clamp_min(1e-6)
+        mean, std = x.mean(0), scale(x.std(0, unbiased=False))
         if x.shape[1] <= components:
             return cls(name, mean.tolist(), std.tolist())
         _, _, v = torch.linalg.svd((x - mean) / std, full_matrices=False)
@@ -74,7 +75,8 @@ class Group:
                 f"the trust model reads {len(self.mean)} values of {self.name} but the answer "
                 f"has {x.shape[-1]}: fit a trust model for this model with `sparseguard trust fit`"
             )
-        z = (x - torch.tensor(self.mean, dtype=x.dtype)) / torch.tensor(self.std, dtype=x.dtype)
+        std = scale(torch.tensor(self.std, dtype=x.dtype))  # as fit (models fit before too)
+        z = (x - torch.tensor(self.mean, dtype=x.dtype)) / std
         return z if self.axes is None else z @ torch.tensor(self.axes, dtype=x.dtype).T
 
 
@@ -298,6 +300,14 @@ def _cross_validate(
     return [(setting, -math.inf if math.isnan(a) else a) for setting, a in out]
 
 
+def scale(spread: torch.Tensor) -> torch.Tensor:
+    """A column's scale: its spread on the fit data, or 1 where it has none. A constant there
+    taught the fit nothing, and dividing by a floor instead (1e-6, twice) turned any other value
+    on new data into a z-score of 1e11: Gemma 3's dense QA answers all ran to the token limit,
+    so a shorter healthy answer got a logit of -2e4 from its length alone (README)."""
+    return torch.where(spread < NO_SPREAD, torch.ones_like(spread), spread)
+
+
 def _fit_groups(
     values: Vectors, y: torch.Tensor, names: Sequence[str], k: int, l2: float
 ) -> tuple[list[Group], torch.Tensor, float]:
@@ -312,7 +322,7 @@ def _transforms(values: Vectors, names: Sequence[str], k: int) -> list[Group]:
     `values` (the penalty then treats every input alike)."""
     groups = [Group.fit(n, values[n], k if n != SCALAR else values[n].shape[1]) for n in names]
     x = torch.cat([g.apply(values[g.name]) for g in groups], dim=1)
-    spread = x.std(0, unbiased=False).clamp_min(1e-6)
+    spread = scale(x.std(0, unbiased=False))
     start = 0
     for g in groups:
         width = len(g.axes) if g.axes is not None else len(g.mean)
