@@ -137,6 +137,7 @@ def test_fit_learns_the_informative_feature_and_generalises(tmp_path: Path) -> N
     # that of saying the share right for every answer; an answer scored far outside the data
     # it was fit on (as a model fit at another level scores) is not.
     scores = [model.score(r.signals) for r in test]
+    assert held.mean_trust is not None and held.brier is not None
     assert held.mean_trust == pytest.approx(sum(scores) / len(scores))
     assert held.brier == pytest.approx(
         sum((v - r.correct) ** 2 for v, r in zip(scores, test, strict=True)) / len(test)
