@@ -108,3 +108,11 @@ def test_trust_fit_and_eval_cli_on_a_qa_file(
     assert len(list((cli_home / "trust").glob("trust-*.json"))) == 1
     assert main(["trust", "fit", *common, "--level", "dense,Dense"]) == 2
     assert "names a level twice" in capsys.readouterr().err
+    # Answers that cannot be fit (every one wrong): no model at either level, and a failure.
+    nonsense = cli_home / "nonsense.jsonl"
+    nonsense.write_text("\n".join(json.dumps({**row, "answer": "zzqx"}) for row in QA))
+    unfit = ["--data", str(nonsense), *common[2:], "--level", "dense,balanced"]
+    assert main(["trust", "fit", *unfit]) == 1
+    assert "no trust model at dense, balanced" in capsys.readouterr().out
+    assert main(["trust", "fit", *common, "--level", "balanced,conservative"]) == 2  # none here
+    assert "run `sparseguard calibrate --level conservative`" in capsys.readouterr().err

@@ -263,7 +263,7 @@ def test_trust_fit_job_fits_a_model_per_level_once_publishes_and_skips_those_tha
     }
     assert retried["models"] == first["models"] and second["models"] == {}
     assert second["skipped"] == {"dense": versions["dense"], "balanced": versions["balanced"]}
-    assert list(third["models"]) == ["conservative", "aggressive"]
+    assert list(third["models"]) == ["conservative", "aggressive"] and third["unfit"] == []
     assert all(
         m["items"] == fit_half and 0 < m["right"] < fit_half for m in first["models"].values()
     )
@@ -290,6 +290,27 @@ def test_trust_fit_job_fits_a_model_per_level_once_publishes_and_skips_those_tha
     ]
 
 
+def test_a_level_whose_answers_cannot_be_fit_is_passed_over_and_none_fails(
+    tmp_path: Path,
+) -> None:
+    """Every answer wrong: of several levels, each is logged and passed over, and a job that
+    fits none fails naming them; a level asked for alone fails with the fit's own reason."""
+    settings, engine = Settings(home=tmp_path), tiny_engine(cache=False)
+    asked = [QAItem(f"Question number {i}?", ("zzqx never said",)) for i in range(20)]
+    params = {"data": str(write_qa(tmp_path / "qa.jsonl", asked)), "n": 10, "max_new_tokens": 3}
+    with pytest.raises(ValueError, match="no trust model at dense, balanced: the answers"):
+        fit_trust(
+            settings,
+            ClaimedJob(1, "trust_fit", "x", {**params, "level": "dense,balanced"}, 1),
+            engine,
+        )
+    with pytest.raises(ValueError, match="both right and wrong"):
+        fit_trust(
+            settings, ClaimedJob(2, "trust_fit", "x", {**params, "level": "dense"}, 1), engine
+        )
+    assert not list(settings.trust_dir.glob("trust-*.json"))
+
+
 def test_a_fit_spec_names_its_levels_in_order_and_all_adds_the_served_rest() -> None:
     served = [Level.AGGRESSIVE, Level.DENSE, Level.BALANCED]
     assert FitSpec(level="Balanced, all").level == "balanced,all"
@@ -300,6 +321,8 @@ def test_a_fit_spec_names_its_levels_in_order_and_all_adds_the_served_rest() -> 
     ]
     assert FitSpec(level="aggressive,dense").levels(served) == [Level.AGGRESSIVE, Level.DENSE]
     assert FitSpec(level="all").levels(served) == [Level.DENSE, Level.BALANCED, Level.AGGRESSIVE]
+    with pytest.raises(ValueError, match="no calibration at conservative"):
+        FitSpec(level="balanced,conservative").levels(served)
     with pytest.raises(ValueError, match="names a level twice"):
         FitSpec(level="dense,all,dense")
     with pytest.raises(ValueError, match="unknown level"):

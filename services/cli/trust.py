@@ -97,8 +97,10 @@ def fit_trust(args: argparse.Namespace, settings: Settings) -> int:
         levels.remove(level)
     if not levels:
         return 0
+    fitted_at = set()
     with _bar(spec, levels, healthy_answers(settings, eng)) as bar:
         for model, records in fit_models(settings, eng, spec, levels, progress=bar.update):
+            fitted_at.add(model.level)
             fitted = report(records, model, None, settings.signals.late_band)
             emit(
                 f"trust model {model.version} at {model.level}: {len(records)} answers "
@@ -106,7 +108,10 @@ def fit_trust(args: argparse.Namespace, settings: Settings) -> int:
                 f"cross-validated AUROC {model.fit_data['cv_auroc']}, in-sample "
                 f"{fitted.trust_auroc:.3f}; saved in {settings.trust_dir}"
             )
-    return 0
+    unfit = [level.value for level in levels if level.value not in fitted_at]
+    if unfit:
+        emit(f"no trust model at {', '.join(unfit)}: see the warnings above (more items: --n)")
+    return 1 if unfit else 0
 
 
 def eval_trust_score(args: argparse.Namespace, settings: Settings) -> int:

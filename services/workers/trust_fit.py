@@ -83,9 +83,16 @@ class FitSpec(BaseModel):
 
     def levels(self, served: Iterable[Level]) -> list[Level]:
         """The levels to fit at, in order: those named, then for `all` the `served` ones (dense
-        and each calibrated level) not named."""
-        parts = self.level.split(",")
+        and each calibrated level) not named. A named level not served fails before any is
+        answered."""
+        parts, served = self.level.split(","), list(served)
         named = [Level(p) for p in parts if p != ALL]
+        missing = [level.value for level in named if level not in served]
+        if missing:
+            raise ValueError(
+                f"no calibration at {', '.join(missing)} for this model; run `sparseguard "
+                f"calibrate --level {missing[0]}` or leave it out"
+            )
         if ALL in parts:
             rest = sorted(set(served) - set(named), key=list(Level).index)
             named += rest
@@ -148,28 +155,36 @@ def fit_models(
     """At each of `levels`: answer, fit, set the flag thresholds on healthy answers of each kind
     at every served level (`trust.flagging`; answered once, on the first model's turn) and save.
     Yields each model as it is saved, so the first can serve while the next is fit; `extra`
-    goes into each model's fit_data."""
-    cfg, prompts = settings.trust, _flag_prompts(settings)
+    goes into each model's fit_data. Of several levels, one whose answers cannot be fit (all
+    right or all wrong) is logged and passed over, and scored by another level's model; one
+    level alone raises."""
+    cfg, prompts, levels = settings.trust, _flag_prompts(settings), list(levels)
     healthy: dict[Level, dict[str, list[RequestSignals]]] = {}
     for at in levels:
         records = answers(settings, eng, spec.model_copy(update={"level": at.value}), progress)
-        model = fit(
-            [r.signals for r in records],
-            [r.correct for r in records],
-            model_id=eng.lm.model_id,
-            level=at.value,
-            fit_data={
-                "data": spec.data,
-                "split": spec.split,
-                "n": len(records),
-                "level": at.value,
-                "upstream": spec.upstream,
-                **(extra or {}),
-            },
-            l2=spec.l2,
-            late_band=settings.signals.late_band,
-            mode=spec.mode,
-        )
+        try:
+            model = fit(
+                [r.signals for r in records],
+                [r.correct for r in records],
+                model_id=eng.lm.model_id,
+                level=at.value,
+                fit_data={
+                    "data": spec.data,
+                    "split": spec.split,
+                    "n": len(records),
+                    "level": at.value,
+                    "upstream": spec.upstream,
+                    **(extra or {}),
+                },
+                l2=spec.l2,
+                late_band=settings.signals.late_band,
+                mode=spec.mode,
+            )
+        except ValueError as exc:
+            if len(levels) == 1:
+                raise
+            log.warning("no trust model at %s (%s); another level's scores it", at.value, exc)
+            continue
         # Thresholds per served level and healthy kind: a sparser level's answers score lower,
         # so a threshold measured at one level flags a quarter of another's healthy chat, and
         # one measured on chat flagged most prose and summaries (README).
@@ -225,8 +240,14 @@ def fit_trust(settings: Settings, job: ClaimedJob, engine: Engine | None = None)
             publish_trust_model(settings.telemetry, model, job.reason)
             log.info("published trust model %s (%s)", model.version, job.reason)
             made[model.level] = model
+        if not any(level.value in made for level in todo):
+            raise ValueError(
+                f"no trust model at {', '.join(level.value for level in todo)}: the answers at "
+                "each were all right or all wrong; answer more items (n)"
+            )
     return {
         "model": eng.lm.model_id,
+        "unfit": [level.value for level in todo if level.value not in made],
         "models": {
             level: {
                 "version": m.version,
