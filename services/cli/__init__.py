@@ -38,6 +38,7 @@ from services.cli import (
     up,
 )
 from services.config import Settings
+from services.telemetry.schema import summarize_validation
 
 log = logging.getLogger("sparseguard")
 Handler = Callable[[argparse.Namespace, Settings], int]
@@ -99,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handler(args, settings)
     except ValidationError as exc:  # a spec built from the arguments: name the field, no URL
         log.debug("command failed", exc_info=True)
-        sys.stderr.write(f"sparseguard: error: {plain(exc)}\n")
+        sys.stderr.write(f"sparseguard: error: {summarize_validation(exc)}\n")
         return 2
     except (ValueError, LookupError, OSError) as exc:
         log.debug("command failed", exc_info=True)
@@ -108,14 +109,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("sparseguard: interrupted\n")
         return 130
-
-
-def plain(exc: ValidationError) -> str:
-    """A validation error as one line: each field and what is wrong with it."""
-    return "; ".join(
-        f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
-        for e in exc.errors()
-    )
 
 
 if __name__ == "__main__":

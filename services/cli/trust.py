@@ -13,7 +13,7 @@ from tqdm import tqdm
 from services.cli.common import emit, emit_json, eval_commands
 from services.config import Settings
 from services.shared.engine import build_engine
-from services.workers.trust_fit import FitSpec, answers, fit_models, healthy_answers
+from services.workers.trust_fit import FitSpec, answers, existing, fit_models, healthy_answers
 from sparse_engine.data.qa_sets import QA_SETS
 from sparse_engine.runtime.engine import Engine
 from sparse_engine.sparsity.plan import Level
@@ -87,14 +87,12 @@ def answer_args(parser: argparse.ArgumentParser, n: int, many_levels: bool = Fal
 def fit_trust(args: argparse.Namespace, settings: Settings) -> int:
     spec = spec_of(args, "fit", many_levels=True)
     eng = build_engine(settings, args.model)
-    store, levels = TrustStore(settings.trust_dir), spec.levels(eng.plans)
-    for level in list(levels) if args.if_missing else ():
-        try:
-            found = store.latest(eng.lm.model_id, level.value, spec.mode)
-        except LookupError:
-            continue
-        emit(f"trust model {found.version} exists for {level.value}; skipped")
-        levels.remove(level)
+    levels = spec.levels(eng.plans)
+    if args.if_missing:
+        have = existing(settings, eng.lm.model_id, [level.value for level in levels], spec.mode)
+        for level, found in have.items():
+            emit(f"trust model {found.version} exists for {level}; skipped")
+        levels = [level for level in levels if level.value not in have]
     if not levels:
         return 0
     fitted_at = set()
@@ -153,10 +151,10 @@ def spec_of(args: argparse.Namespace, split: str, many_levels: bool = False) -> 
 def _bar(spec: FitSpec, levels: list[Level] | None = None, healthy: int = 0) -> tqdm[Any]:
     """`levels`: those a fit answers at (default: the spec's one); `healthy`: the healthy
     answers of the flag thresholds, after the first level's items."""
-    named = ",".join(level.value for level in levels) if levels else spec.level
+    named = [level.value for level in levels] if levels else [spec.level]
     then = ", and healthy prompts at every level" if healthy else ""
-    desc = f"answering {spec.data} at {named}{then}"
-    return tqdm(total=spec.n * len(levels or [0]) + healthy, unit="answer", desc=desc)
+    desc = f"answering {spec.data} at {','.join(named)}{then}"
+    return tqdm(total=spec.n * len(named) + healthy, unit="answer", desc=desc)
 
 
 def _trust_model(

@@ -146,7 +146,7 @@ def parse_event(value: bytes, headers: Sequence[tuple[str, bytes]] | None = None
     try:
         event = TelemetryEvent.model_validate(data)
     except ValidationError as exc:
-        raise MalformedEventError(f"schema violation: {_summarize(exc)}") from exc
+        raise MalformedEventError(f"schema violation: {summarize_validation(exc)}") from exc
     _check_id(dict(headers or []), event)
     return event
 
@@ -183,9 +183,11 @@ def _check_id(headers: dict[str, bytes], event: TelemetryEvent) -> None:
         raise MalformedEventError(f"ce_id {ce_id!r} does not match trace_id {event.trace_id!r}")
 
 
-def _summarize(exc: ValidationError) -> str:
+def summarize_validation(exc: ValidationError) -> str:
+    """A validation error as one line: each field and what is wrong with it."""
     return "; ".join(
-        f"{'.'.join(str(part) for part in err['loc']) or '<root>'}: {err['msg']}"
+        f"{'.'.join(str(part) for part in err['loc']) or '<root>'}: "
+        f"{err['msg'].removeprefix('Value error, ')}"
         for err in exc.errors()
     )
 

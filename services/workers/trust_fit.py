@@ -221,12 +221,10 @@ def fit_trust(settings: Settings, job: ClaimedJob, engine: Engine | None = None)
     eng = engine or build_engine(settings, spec.model)
     levels = [level.value for level in spec.levels(eng.plans)]
     made = {level: m for level, m in made_by(settings, job.id).items() if level in levels}
-    kept = {}
-    for level in levels if spec.if_missing else ():
-        existing = _existing(settings, eng.lm.model_id, level, spec.mode)
-        if level not in made and existing is not None:
-            log.info("job %d: trust model %s exists; %s skipped", job.id, existing.version, level)
-            kept[level] = existing.version
+    have = existing(settings, eng.lm.model_id, levels, spec.mode) if spec.if_missing else {}
+    kept = {level: m.version for level, m in have.items() if level not in made}
+    for level, version in kept.items():
+        log.info("job %d: trust model %s exists; %s skipped", job.id, version, level)
     for model in made.values():
         log.info("job %d already made %s; publishing it", job.id, model.version)
         publish_trust_model(settings.telemetry, model, job.reason)
@@ -268,11 +266,17 @@ def made_by(settings: Settings, job_id: int) -> dict[str, TrustModel]:
     }
 
 
-def _existing(settings: Settings, model_id: str, level: str, mode: str) -> TrustModel | None:
-    try:
-        return TrustStore(settings.trust_dir).latest(model_id, level, mode)
-    except TrustModelNotFoundError:
-        return None
+def existing(
+    settings: Settings, model_id: str, levels: Iterable[str], mode: str
+) -> dict[str, TrustModel]:
+    """The newest `mode` model of `model_id` at each of `levels` that has one."""
+    store, found = TrustStore(settings.trust_dir), {}
+    for level in levels:
+        try:
+            found[level] = store.latest(model_id, level, mode)
+        except TrustModelNotFoundError:
+            continue
+    return found
 
 
 def healthy_answers(settings: Settings, eng: Engine) -> int:

@@ -303,8 +303,9 @@ def _cross_validate(
 def scale(spread: torch.Tensor) -> torch.Tensor:
     """A column's scale: its spread on the fit data, or 1 where it has none. A constant there
     taught the fit nothing, and dividing by a floor instead (1e-6, twice) turned any other value
-    on new data into a z-score of 1e11: Gemma 3's dense QA answers all ran to the token limit,
-    so a shorter healthy answer got a logit of -2e4 from its length alone (README)."""
+    on new data into a z-score of 1e10 to 1e12: Gemma 3's dense QA answers all ran to the token
+    limit, so a shorter healthy answer got a logit down to -2.7e4 from its length alone
+    (README)."""
     return torch.where(spread < NO_SPREAD, torch.ones_like(spread), spread)
 
 
