@@ -267,6 +267,11 @@ def test_trust_fit_job_fits_a_model_per_level_once_publishes_and_skips_those_tha
     assert all(
         m["items"] == fit_half and 0 < m["right"] < fit_half for m in first["models"].values()
     )
+    assert all(  # the honest figures beside the optimistic one (None: a fold of one class)
+        m[k] == models[level].fit_data[k] and (m[k] is None or 0 <= m[k] <= 1)
+        for level, m in first["models"].items()
+        for k in ("cv_auroc", "nested_auroc", "chance_auroc")
+    )
     # Each model fit on answers at its own level, and given flag thresholds at every level.
     assert {level: m.fit_data["level"] for level, m in models.items()} == {v: v for v in versions}
     assert models["dense"].weights != models["balanced"].weights

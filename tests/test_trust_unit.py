@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import random
 from dataclasses import replace
 from pathlib import Path
@@ -32,7 +33,6 @@ from sparse_engine.trust.features import (
     from_stats,
 )
 from sparse_engine.trust.model import (
-    Group,
     TrustModel,
     TrustModelNotFoundError,
     TrustStore,
@@ -41,6 +41,7 @@ from sparse_engine.trust.model import (
     group_vectors,
 )
 from sparse_engine.trust.qa import QADataError, grade, load_qa, normalise_answer, token_f1
+from sparse_engine.trust.regression import Group
 from sparse_engine.trust.report import report
 from tests.tiny import tiny_engine
 
@@ -125,6 +126,10 @@ def test_fit_learns_the_informative_feature_and_generalises(tmp_path: Path) -> N
     assert weights["mean_logprob"] > 0  # more confident -> more likely right
     held = report(test, model, {"data": "synthetic", "split": "eval", "n": 200})
     assert held.held_out is True and held.trust_auroc > 0.9
+    # The nested estimate (setting chosen inside each fold) agrees with the held-out figure,
+    # far above what shuffled labels reach.
+    assert abs(model.fit_data["nested_auroc"] - held.trust_auroc) < 0.05
+    assert 0.5 < model.fit_data["chance_auroc"] < 0.65 < model.fit_data["nested_auroc"]
     assert held.flag_threshold is None and held.flagged_wrong == held.flagged_right == 0
     median = sorted(model.score(r.signals) for r in test)[100]
     flagged = report(test, model, None, flag_below=median)  # half the answers fall under it
@@ -155,6 +160,18 @@ def test_fit_learns_the_informative_feature_and_generalises(tmp_path: Path) -> N
     assert store.load(saved.version).score(test[0].signals) == model.score(test[0].signals)
     with pytest.raises(TrustModelNotFoundError, match="sparseguard trust fit"):
         store.latest("other-model")
+
+
+def test_a_fit_on_labels_its_signals_do_not_predict_is_reported_as_chance(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    rng = random.Random(3)
+    sigs = [_signals(rng, True) for _ in range(120)]
+    right = [rng.random() < 0.4 for _ in sigs]  # the labels ignore the signals
+    with caplog.at_level(logging.WARNING, logger="sparse_engine.trust.model"):
+        model = fit(sigs, right, model_id="m", level="dense", fit_data={})
+    assert model.fit_data["nested_auroc"] <= model.fit_data["chance_auroc"] < 0.7
+    assert "no better than chance (nested AUROC" in caplog.text and "at dense" in caplog.text
 
 
 def _far(signals: RequestSignals) -> RequestSignals:

@@ -100,11 +100,13 @@ def fit_trust(args: argparse.Namespace, settings: Settings) -> int:
         for model, records in fit_models(settings, eng, spec, levels, progress=bar.update):
             fitted_at.add(model.level)
             fitted = report(records, model, None, settings.signals.late_band)
+            data = model.fit_data
             emit(
                 f"trust model {model.version} at {model.level}: {len(records)} answers "
-                f"({model.fit_data['right']} right); groups {', '.join(model.group_names)}; "
-                f"cross-validated AUROC {model.fit_data['cv_auroc']}, in-sample "
-                f"{fitted.trust_auroc:.3f}; saved in {settings.trust_dir}"
+                f"({data['right']} right); groups {', '.join(model.group_names)}; "
+                f"cross-validated AUROC {data['cv_auroc']} (nested, choice included: "
+                f"{data['nested_auroc']}; chance reaches {data['chance_auroc']}), "
+                f"in-sample {fitted.trust_auroc:.3f}; saved in {settings.trust_dir}"
             )
     unfit = [level.value for level in levels if level.value not in fitted_at]
     if unfit:

@@ -249,7 +249,10 @@ def fit_trust(settings: Settings, job: ClaimedJob, engine: Engine | None = None)
         "models": {
             level: {
                 "version": m.version,
-                **{k: m.fit_data[k] for k in ("items", "right", "cv_auroc")},
+                **{
+                    k: m.fit_data[k]
+                    for k in ("items", "right", "cv_auroc", "nested_auroc", "chance_auroc")
+                },
             }
             for level, m in made.items()
         },

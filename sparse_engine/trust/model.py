@@ -1,12 +1,12 @@
 """The trust model: L2-regularised logistic regression predicting that an answer is right, over
 feature groups (`trust.features`): the scalar signals, the channel probe, per-head attention
 (lookback share and entropy) and the residual stream at the readout's layers. Each group is
-standardised; a wide group is reduced to its leading principal components. Which groups (and
-which layer of the residual stream), how many components and how strong a penalty are chosen by
-cross-validated AUROC on the fit data. Fit on graded answers (`fit`), stored as a versioned JSON
-artefact like a calibration (`TrustStore`), applied per request (`TrustModel.score`). A model
-is fit for one mode (serve: the engine's own answers; proxy: an upstream's answers,
-teacher-forced) and one level."""
+standardised; a wide group is reduced to its leading principal components (`trust.regression`).
+Which groups (and which layer of the residual stream), how many components and how strong a
+penalty are chosen by cross-validated AUROC on the fit data. Fit on graded answers (`fit`),
+stored as a versioned JSON artefact like a calibration (`TrustStore`), applied per request
+(`TrustModel.score`). A model is fit for one mode (serve: the engine's own answers; proxy: an
+upstream's answers, teacher-forced) and one level."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from sparse_engine.evaluation.ranking import auroc
 from sparse_engine.jsonstore import JsonStore, stamped_version
 from sparse_engine.sparsity.signals import LATE_BAND
 from sparse_engine.trust.features import (
@@ -31,6 +30,16 @@ from sparse_engine.trust.features import (
     readout_groups,
     scalar_features,
 )
+from sparse_engine.trust.regression import (
+    SCALAR,
+    Group,
+    Vectors,
+    chance_auroc,
+    choose,
+    fit_groups,
+    folds,
+    nested_auroc,
+)
 
 log = logging.getLogger(__name__)
 MODEL_FORMAT = 2  # 2: feature groups with the readout
@@ -39,45 +48,11 @@ MODEL_FORMAT = 2  # 2: feature groups with the readout
 MODES = ("serve", "proxy", "closed")
 L2_GRID = (0.01, 0.03, 0.1, 0.3)
 COMPONENTS = (8, 32)  # principal components kept of a wide group
-SCALAR = "scalar"  # the named signals: standardised, never reduced
-FOLDS = 5
-DEFAULT_L2 = 0.1
 ATTENTION = ("lookback", "attn_entropy")
-NO_SPREAD = 1e-6  # a column with less spread than this on the fit data is a constant there
-Vectors = dict[str, torch.Tensor]
 
 
 class TrustModelNotFoundError(LookupError):
     """No trust model is stored for this model."""
-
-
-@dataclass(slots=True)
-class Group:
-    """One feature group's transform: standardise, then project onto `axes` (k, width), the
-    leading principal components of the standardised fit data (None: keep every value)."""
-
-    name: str
-    mean: list[float]
-    std: list[float]
-    axes: list[list[float]] | None = None
-
-    @classmethod
-    def fit(cls, name: str, x: torch.Tensor, components: int) -> Group:
-        mean, std = x.mean(0), scale(x.std(0, unbiased=False))
-        if x.shape[1] <= components:
-            return cls(name, mean.tolist(), std.tolist())
-        _, _, v = torch.linalg.svd((x - mean) / std, full_matrices=False)
-        return cls(name, mean.tolist(), std.tolist(), v[:components].tolist())
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != len(self.mean):
-            raise ValueError(
-                f"the trust model reads {len(self.mean)} values of {self.name} but the answer "
-                f"has {x.shape[-1]}: fit a trust model for this model with `sparseguard trust fit`"
-            )
-        std = scale(torch.tensor(self.std, dtype=x.dtype))  # as fit (models fit before too)
-        z = (x - torch.tensor(self.mean, dtype=x.dtype)) / std
-        return z if self.axes is None else z @ torch.tensor(self.axes, dtype=x.dtype).T
 
 
 @dataclass(slots=True)
@@ -194,10 +169,12 @@ def fit(
     mode: str = "serve",
 ) -> TrustModel:
     """Choose the groups, components and penalty by cross-validated AUROC (the penalty fixed
-    when `l2` is given), then fit on all the data. The chosen setting's cross-validated AUROC is
-    kept in `fit_data` (optimistic by the choice among settings; a held-out evaluation is the
-    honest figure). The one-standard-error rule (the simplest setting within one standard
-    error of the best) was tried and did not carry better to other datasets (README)."""
+    when `l2` is given), then fit on all the data. Kept in `fit_data`: the chosen setting's
+    cross-validated AUROC (optimistic by the choice among settings), the nested estimate of the
+    whole procedure (`regression.nested_auroc`) and how high chance reaches
+    (`regression.chance_auroc`), with a warning when the estimate is no higher. The
+    one-standard-error rule (the simplest setting within one standard error of the best) was
+    tried and did not carry better to other datasets (README)."""
     if len(set(correct)) < 2:
         raise ValueError("fitting needs both right and wrong answers in the data; use more items")
     if mode not in MODES:
@@ -218,10 +195,22 @@ def fit(
         for k in COMPONENTS
         if k == COMPONENTS[0] or reduced(names)
     ]
-    scored = _cross_validate(values, y, settings, penalties)
-    (names, k, penalty), cv = max(scored, key=lambda item: item[1])
-    groups, weights, bias = _fit_groups(values, y, names, k, penalty)
-    log.info("trust model: groups %s, %d components, l2 %s, cv AUROC %.3f", names, k, penalty, cv)
+    (names, k, penalty), cv = choose(values, y, settings, penalties)
+    groups, weights, bias = fit_groups(values, y, names, k, penalty)
+    nested = nested_auroc(values, y, settings, penalties)
+    chance = chance_auroc(values, y, (names, k, penalty))
+    log.info(
+        "trust model: groups %s, %d components, l2 %s, cv AUROC %.3f, nested %.3f (chance "
+        "reaches %.3f)",
+        names, k, penalty, cv, nested, chance,
+    )  # fmt: skip
+    if not nested > chance:
+        log.warning(
+            "trust model at %s: the fit tells right from wrong answers it did not see no better "
+            "than chance (nested AUROC %.3f; shuffled labels reach %.3f), so its low-score flags "
+            "are close to random; fit on more items (--n) or other data",
+            level, nested, chance,
+        )  # fmt: skip
     return TrustModel(
         model_id=model_id,
         level=level,
@@ -240,7 +229,9 @@ def fit(
             "groups": list(names),
             "components": k,
             "l2": penalty,
-            "cv_auroc": None if math.isnan(cv) else round(cv, 4),
+            "cv_auroc": _rounded(cv),
+            "nested_auroc": _rounded(nested),
+            "chance_auroc": _rounded(chance),
             "features": len(FEATURES),
         },
     )
@@ -250,108 +241,22 @@ def out_of_fold(
     signals: Sequence[RequestSignals], correct: Sequence[bool], model: TrustModel
 ) -> list[float]:
     """Each answer's score from `model`'s setting (groups, components, penalty) refit on the
-    other FOLDS - 1 folds: scores like those of answers the fit never saw, for learning a
+    other folds (`regression.folds`): scores like those of answers the fit never saw, for learning a
     threshold on the fit data itself."""
     values = group_vectors(signals, model.baseline, model.drift_default, model.late_band)
     y = torch.tensor(correct, dtype=torch.float64)
     k, penalty = model.fit_data["components"], model.fit_data["l2"]
     scores = torch.empty(len(y), dtype=torch.float64)
-    for fold in range(FOLDS):
-        test = torch.arange(len(y))[fold::FOLDS]
-        train = torch.ones(len(y), dtype=torch.bool)
-        train[test] = False
+    for test, train in folds(len(y)):
         part = {n: values[n][train] for n in model.group_names}
-        groups, w, b = _fit_groups(part, y[train], model.group_names, k, penalty)
+        groups, w, b = fit_groups(part, y[train], model.group_names, k, penalty)
         x = torch.cat([g.apply(values[g.name][test]) for g in groups], dim=1)
         scores[test] = torch.sigmoid(x @ w + b)
     return scores.tolist()
 
 
-Setting = tuple[tuple[str, ...], int, float]  # groups, components, penalty
-
-
-def _cross_validate(
-    values: Vectors,
-    y: torch.Tensor,
-    settings: list[tuple[tuple[str, ...], int]],
-    penalties: Sequence[float],
-) -> list[tuple[Setting, float]]:
-    """Mean AUROC over FOLDS interleaved folds of each setting and penalty (the transforms fit
-    once per fold and setting); NaN when a fold lacks a class: then the first setting, the
-    scalar signals alone, wins."""
-    folds = [torch.arange(len(y))[k::FOLDS] for k in range(FOLDS)]
-    aucs: dict[Setting, list[float]] = {}
-    for names, k in settings:
-        for test in folds:
-            train = torch.ones(len(y), dtype=torch.bool)
-            train[test] = False
-            groups = _transforms({n: values[n][train] for n in names}, names, k)
-            x_train = torch.cat([g.apply(values[g.name][train]) for g in groups], dim=1)
-            x_test = torch.cat([g.apply(values[g.name][test]) for g in groups], dim=1)
-            for penalty in penalties:
-                w, b = _logistic_regression(x_train, y[train], penalty)
-                wrong = (y[test] == 0).tolist()
-                aucs.setdefault((names, k, penalty), []).append(
-                    auroc((-(x_test @ w + b)).tolist(), wrong)
-                )
-    out = [(setting, sum(a) / len(a)) for setting, a in aucs.items()]
-    if all(math.isnan(a) for _, a in out):
-        return [(out[0][0], math.nan)]
-    return [(setting, -math.inf if math.isnan(a) else a) for setting, a in out]
-
-
-def scale(spread: torch.Tensor) -> torch.Tensor:
-    """A column's scale: its spread on the fit data, or 1 where it has none. A constant there
-    taught the fit nothing, and dividing by a floor instead (1e-6, twice) turned any other value
-    on new data into a z-score of 1e10 to 1e12: Gemma 3's dense QA answers all ran to the token
-    limit, so a shorter healthy answer got a logit down to -2.7e4 from its length alone
-    (README)."""
-    return torch.where(spread < NO_SPREAD, torch.ones_like(spread), spread)
-
-
-def _fit_groups(
-    values: Vectors, y: torch.Tensor, names: Sequence[str], k: int, l2: float
-) -> tuple[list[Group], torch.Tensor, float]:
-    groups = _transforms(values, names, k)
-    x = torch.cat([g.apply(values[g.name]) for g in groups], dim=1)
-    w, b = _logistic_regression(x, y, l2)
-    return groups, w, b
-
-
-def _transforms(values: Vectors, names: Sequence[str], k: int) -> list[Group]:
-    """Each group's transform, scaled so that every projected column has unit spread on
-    `values` (the penalty then treats every input alike)."""
-    groups = [Group.fit(n, values[n], k if n != SCALAR else values[n].shape[1]) for n in names]
-    x = torch.cat([g.apply(values[g.name]) for g in groups], dim=1)
-    spread = scale(x.std(0, unbiased=False))
-    start = 0
-    for g in groups:
-        width = len(g.axes) if g.axes is not None else len(g.mean)
-        part = spread[start : start + width]
-        if g.axes is not None:
-            g.axes = (torch.tensor(g.axes, dtype=torch.float64) / part[:, None]).tolist()
-        else:
-            g.std = (torch.tensor(g.std, dtype=torch.float64) * part).tolist()
-        start += width
-    return groups
-
-
-def _logistic_regression(x: torch.Tensor, y: torch.Tensor, l2: float) -> tuple[torch.Tensor, float]:
-    params = torch.zeros(x.shape[1] + 1, dtype=torch.float64, requires_grad=True)
-    optimiser = torch.optim.LBFGS([params], max_iter=300, line_search_fn="strong_wolfe")
-
-    def loss_fn() -> torch.Tensor:
-        optimiser.zero_grad()
-        logits = x @ params[:-1] + params[-1]
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, y)
-        loss = loss + l2 * params[:-1].pow(2).sum()
-        loss.backward()  # type: ignore[no-untyped-call]
-        return loss
-
-    with torch.enable_grad():
-        optimiser.step(loss_fn)  # type: ignore[no-untyped-call]
-    found = params.detach()
-    return found[:-1], float(found[-1])
+def _rounded(x: float) -> float | None:
+    return None if math.isnan(x) else round(x, 4)
 
 
 class TrustStore:
