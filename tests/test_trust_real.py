@@ -84,7 +84,7 @@ def test_trust_fit_and_eval_cli_on_a_qa_file(
     assert main(["trust", "fit", *common]) == 0
     out = capsys.readouterr().out
     assert "trust model trust-serve-balanced-" in out and f"{fit_half} answers" in out
-    assert "(nested, choice included: 0." in out and "; chance reaches 0." in out
+    assert "(nested, choice included: " in out and "; chance reaches " in out
     assert main(["eval", "trust", *common, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["n"] == eval_half and report["held_out"] is True  # the other half

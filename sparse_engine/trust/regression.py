@@ -224,7 +224,7 @@ def chance_auroc(values: Vectors, y: torch.Tensor, setting: Setting, seed: int =
     if len(means) < 2:
         return math.nan
     spread = torch.tensor(means, dtype=torch.float64)
-    return float(spread.mean() + CHANCE_Z * spread.std())
+    return min(1.0, float(spread.mean() + CHANCE_Z * spread.std()))  # an AUROC ends at 1
 
 
 def folds(n: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
