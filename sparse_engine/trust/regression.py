@@ -68,8 +68,8 @@ def scale(spread: torch.Tensor) -> torch.Tensor:
 def leading_axes(z: torch.Tensor, k: int) -> torch.Tensor:
     """The k leading principal axes (k, width) of centred rows `z`. With fewer rows than
     columns (a few hundred answers, thousands of channels) from the rows' Gram matrix: a small
-    eigenproblem instead of a wide SVD, about ten times faster here (README). Directions of no
-    spread are left out."""
+    eigenproblem instead of a wide SVD (the SVDs were two thirds of the choice's time on
+    Qwen2's 89 answers). Directions of no spread are left out."""
     if z.shape[0] >= z.shape[1]:
         right: torch.Tensor = torch.linalg.svd(z, full_matrices=False)[2]
         return right[:k]
