@@ -7,6 +7,8 @@ import hashlib
 import zipfile
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 
 from services.cli import main
@@ -83,3 +85,22 @@ def test_model_list_shows_each_known_model_and_what_is_fetched(
     rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()}
     for known in KNOWN.values():
         assert rows[known.name][1:4] == [known.family, known.template, "no"]
+
+
+def test_a_conversion_parses_its_gguf_once_and_restores_the_reader(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_string("general.name", "tiny")
+    writer.add_tensor("w", np.ones((2, 4), dtype=np.float32))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file):
+        write()
+    writer.write_tensors_to_file()
+    writer.close()
+    original = gguf.GGUFReader
+    with catalog._one_gguf_reader():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first  # the path as transformers passes it, too
+        assert gguf.GGUFReader(tmp_path / "tiny.gguf", "c") is not first  # another mode: its own
+        assert bytes(first.fields["general.name"].parts[-1]) == b"tiny"
+    assert gguf.GGUFReader is original
+    assert original(path) is not original(path)
