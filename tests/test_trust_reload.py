@@ -198,7 +198,9 @@ def test_gateway_scores_by_the_rule_until_a_published_trust_model_arrives(
     assert float(before.headers["x-ir-trust"].split(";")[0]) > 0.01  # 1 - late-layer silence
     assert after.headers["x-ir-trust"].startswith("0.000;")
     assert "low-score" in after.headers["x-ir-trust"]
+    assert "action=flag" in after.headers["x-ir-trust"]  # acted on: its fit is above chance
     assert status["trust_models"] == {"default": ours.version, "balanced": ours.version}
+    assert status["trust_at_chance"] == []
     assert runtime.trust.baseline is first_judge.baseline
     # Kept in the gateway's own store: a restart starts on it, and the other model's is not.
     assert serving_versions(load_judge(settings, "tiny-llama")) == status["trust_models"]

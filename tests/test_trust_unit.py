@@ -130,6 +130,7 @@ def test_fit_learns_the_informative_feature_and_generalises(tmp_path: Path) -> N
     # far above what shuffled labels reach.
     assert abs(model.fit_data["nested_auroc"] - held.trust_auroc) < 0.05
     assert 0.5 < model.fit_data["chance_auroc"] < 0.65 < model.fit_data["nested_auroc"]
+    assert not model.at_chance
     assert held.flag_threshold is None and held.flagged_wrong == held.flagged_right == 0
     median = sorted(model.score(r.signals) for r in test)[100]
     flagged = report(test, model, None, flag_below=median)  # half the answers fall under it
@@ -172,6 +173,21 @@ def test_a_fit_on_labels_its_signals_do_not_predict_is_reported_as_chance(
         model = fit(sigs, right, model_id="m", level="dense", fit_data={})
     assert model.fit_data["nested_auroc"] <= model.fit_data["chance_auroc"] < 0.7
     assert "no better than chance (nested AUROC" in caplog.text and "at dense" in caplog.text
+    assert model.at_chance
+    # The gateway reports its low scores and, by default, does not act on them.
+    calm = _stats([0.1, 0.1, 0.1, 0.1])  # no silence spike: low-score is the only reason
+    with caplog.at_level(logging.WARNING, logger="services.gateway.trust"):
+        judge = TrustJudge(TrustSettings(min_score=1.0), SignalSettings(), model)
+    assert f"trust model {model.version} was no better than chance" in caplog.text
+    reported = judge.assess(calm, "prompt", is_dense=True)
+    assert reported.reasons == ("low-score",) and not reported.low and reported.action == "none"
+    acting = TrustJudge(TrustSettings(min_score=1.0, act_on_chance=True), SignalSettings(), model)
+    assert acting.assess(calm, "prompt", is_dense=True).low
+    # A model fit before the figures were measured: unknown, acted on as before.
+    older = replace(model, fit_data={"data": "halueval"})
+    assert not older.at_chance
+    judged = TrustJudge(TrustSettings(min_score=1.0), SignalSettings(), older)
+    assert judged.assess(calm, "prompt", is_dense=True).low
 
 
 def _far(signals: RequestSignals) -> RequestSignals:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 from services.config import Settings, SignalSettings, TrustSettings
 from services.gateway.reasons import BaselineBook, trust_reasons
+from services.telemetry.schema import REASON_LOW_SCORE
 from sparse_engine.calibration.baseline import LevelBaseline
 from sparse_engine.calibration.store import CalibrationStore
 from sparse_engine.runtime.generation import GenerationStats
@@ -109,6 +110,13 @@ class TrustJudge:
         self.routes = routes or {}
         self.baseline = RollingBaseline(cfg.baseline_span, cfg.baseline_min_requests)
         self.book = book or BaselineBook(None)
+        for version in [] if cfg.act_on_chance else at_chance_versions(self):
+            log.warning(
+                "trust model %s was no better than chance on answers its fit did not see: its "
+                "low scores are reported, not acted on (SPARSEGUARD_TRUST__ACT_ON_CHANCE=true "
+                "acts on them)",
+                version,
+            )
 
     def assess(
         self,
@@ -146,7 +154,10 @@ class TrustJudge:
         )
         if stats.signals is not None:
             self.baseline.update(stats.level, late)
-        low = any(r in self.cfg.act_on for r in reasons)
+        acts_on = set(self.cfg.act_on)
+        if model is not None and model.at_chance and not self.cfg.act_on_chance:
+            acts_on.discard(REASON_LOW_SCORE)  # reported only: its fit found it at chance
+        low = any(r in acts_on for r in reasons)
         action = "flag" if low else "none"
         return Trust(round(score, 4), reasons, low, action, late)
 
@@ -265,6 +276,14 @@ def reload_judge(
     judge = load_judge(settings, model_id, arrived)
     judge.baseline = current.baseline
     return judge
+
+
+def at_chance_versions(judge: TrustJudge) -> list[str]:
+    """The served trust models whose fit found them no better than chance, by version."""
+    models = [judge.model, *judge.per_level.values()]
+    for own in judge.routes.values():
+        models += [own.default, *own.per_level.values()]
+    return sorted({m.version for m in models if m is not None and m.at_chance})
 
 
 def serving_versions(judge: TrustJudge) -> dict[str, str | None]:

@@ -87,6 +87,14 @@ class TrustModel:
         return SilenceBaseline(tuple(self.baseline_mean), tuple(self.baseline_std))
 
     @property
+    def at_chance(self) -> bool:
+        """Whether its fit told right from wrong answers it did not see no better than chance
+        (nested AUROC not above what shuffled labels reach). False for a model fit before both
+        figures were measured: unknown, not at chance."""
+        nested, chance = self.fit_data.get("nested_auroc"), self.fit_data.get("chance_auroc")
+        return nested is not None and chance is not None and not nested > chance
+
+    @property
     def group_names(self) -> list[str]:
         return [g.name for g in self.groups]
 
@@ -208,7 +216,8 @@ def fit(
         log.warning(
             "trust model at %s: the fit tells right from wrong answers it did not see no better "
             "than chance (nested AUROC %.3f; shuffled labels reach %.3f), so its low-score flags "
-            "are close to random; fit on more items (--n) or other data",
+            "are close to random and the gateway reports them without acting on them "
+            "(trust.act_on_chance); fit on more items (--n) or other data",
             level, nested, chance,
         )  # fmt: skip
     return TrustModel(

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from services.gateway.deps import AdminDep, RuntimeDep
 from services.gateway.errors import ApiError
 from services.gateway.tracing import TraceParent
-from services.gateway.trust import serving_versions
+from services.gateway.trust import at_chance_versions, serving_versions
 from services.storage.models import JobRun
 from services.workers.jobs import JobView, submit
 from sparse_engine.sparsity.plan import SPARSE_LEVELS, Level
@@ -52,6 +52,8 @@ async def admin_status(rt: RuntimeDep, _: AdminDep) -> dict[str, object]:
         "control_listener": rt.control.ready.is_set() if rt.control else None,
         # None: no trust model yet, the rule score (1 - late-layer silence) is served.
         "trust_models": serving_versions(rt.trust),
+        # Served models whose low scores are reported only (`trust.act_on_chance`).
+        "trust_at_chance": [] if rt.settings.trust.act_on_chance else at_chance_versions(rt.trust),
     }
 
 
