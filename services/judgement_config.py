@@ -139,7 +139,7 @@ class TrustSettings(BaseModel):
     act_on: list[str] = Field(default_factory=lambda: list(DEFAULT_ACT_ON))
     # Act on `low-score` from a trust model whose fit found it no better than chance on
     # answers it did not see (`TrustModel.at_chance`); by default its low scores are reported
-    # only (of six per-level HaluEval fits, the five it warned about held out at 0.48-0.57).
+    # only (of eight per-level HaluEval fits, the seven it warned about held out at 0.48-0.60).
     act_on_chance: bool = False
     default_action: TrustAction = "flag"
     actions: dict[str, TrustAction] = Field(default_factory=dict)  # per route path
