@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from services.cli import main
+from services.config import Settings
 from sparse_engine.calibration.pipeline import CalibrationConfig, calibrate, prepare_data
 from sparse_engine.calibration.store import CalibrationStore
 from sparse_engine.evaluation.perplexity import perplexity
@@ -223,8 +225,16 @@ def test_calibrate_per_source_asks_for_a_mixed_corpus(
 ) -> None:
     assert main(["calibrate", "--per-source", "--data", "wiki"]) == 2
     assert "--data wiki+c4+technical" in capsys.readouterr().err
-    # On in the settings (a mixed corpus there), off for one run with a one-part corpus.
-    monkeypatch.setenv("SPARSEGUARD_ENGINE__CALIBRATION_CORPUS", "wiki+c4+technical")
+    # The default: a bound on each part of the mixed default corpus, and of any mixed --data;
+    # a one-part corpus has one bound (pooled), and the setting turns it off.
+    engine = Settings().engine
+    assert engine.calibration_corpus == "wiki+c4+technical"
+    assert engine.per_source_for(engine.calibration_corpus) and engine.per_source_for("wiki+c4")
+    assert not engine.per_source_for("wiki")
+    monkeypatch.setenv("SPARSEGUARD_ENGINE__CALIBRATION_PER_SOURCE", "false")
+    assert not Settings().engine.per_source_for("wiki+c4+technical")
+    # Asked for in the settings with a one-part corpus: refused at start, naming the fix.
+    monkeypatch.setenv("SPARSEGUARD_ENGINE__CALIBRATION_CORPUS", "wiki")
     monkeypatch.setenv("SPARSEGUARD_ENGINE__CALIBRATION_PER_SOURCE", "true")
-    assert main(["calibrate", "--data", "wiki"]) == 2
-    assert "or --no-per-source" in capsys.readouterr().err
+    with pytest.raises(ValidationError, match="has one part"):
+        Settings()

@@ -347,7 +347,7 @@ def test_recalibration_uses_kept_traffic_only_when_configured(
     assert _data(plain, sessions, engine.lm, cfg).sources == ()
     other = tmp_path / "other.txt"
     other.write_text("\n\n".join(f"Another text {i}, about rivers. " * 20 for i in range(40)))
-    mixed = EngineSettings(calibration_corpus=f"{corpus}+{other}", calibration_per_source=True)
+    mixed = EngineSettings(calibration_corpus=f"{corpus}+{other}")  # per source by default
     data = _data(Settings(home=tmp_path, engine=mixed), sessions, engine.lm, cfg)
     assert data.source_names == (str(corpus), str(other)) and set(data.sources) == {0, 1}
     with pytest.raises(ValidationError, match="has one part"):

@@ -42,7 +42,8 @@ def register(commands: Any) -> None:
         "--per-source",
         action=argparse.BooleanOptionalAction,
         help="with a mixed corpus (A+B): held-out text from each part in equal shares, and each "
-        "level's bound taken on every part alone, the worst kept (default: settings)",
+        "level's bound taken on every part alone, the worst kept (default: on for a mixed "
+        "corpus, SPARSEGUARD_ENGINE__CALIBRATION_PER_SOURCE)",
     )
     cal.add_argument(
         "--no-baseline",
@@ -79,12 +80,11 @@ def run_calibrate(args: argparse.Namespace, settings: Settings) -> int:
         raise ValueError("--gates FILE goes with --sparsifier gates, and only with it")
     name = args.data or settings.engine.calibration_corpus
     asked = args.per_source  # None: the settings decide
-    per_source = settings.engine.calibration_per_source if asked is None else asked
+    per_source = settings.engine.per_source_for(name) if asked is None else asked
     if per_source and "+" not in name:
         raise ValueError(
             f"--per-source takes a bound on each part of a mixed corpus, and '{name}' has one "
             "part: pass --data with parts joined by '+', e.g. --data wiki+c4+technical"
-            + ("" if asked else ", or --no-per-source")
         )
     levels = parse_levels(args.level or [settings.engine.default_level])
     lm = load_served_model(settings, args.model)

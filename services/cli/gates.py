@@ -76,7 +76,9 @@ def run_train(args: argparse.Namespace, settings: Settings) -> int:
         raise ValueError("--samples must be >= 1 and --eval-tokens >= 2")
     lm = load_served_model(settings, args.model)
     name = args.data or settings.engine.calibration_corpus
-    texts = corpora.load_texts(name, settings.cache_home)
+    texts, sources = corpora.load_sourced(
+        name, settings.cache_home, settings.engine.per_source_for(name)
+    )
     split = CalibrationConfig(
         samples=args.samples,
         seq_len=cfg.seq_len,
@@ -95,7 +97,7 @@ def run_train(args: argparse.Namespace, settings: Settings) -> int:
         sparsifier="gates",
         gates_path=str(path),
     )
-    cal_data = prepare_data(lm.tokenizer, texts, cal_cfg, name)
+    cal_data = prepare_data(lm.tokenizer, texts, cal_cfg, name, sources)  # as `calibrate`
     results = calibrate(lm, cal_data, [level], cal_cfg)
     keep(settings, lm, results, with_baseline=not args.no_baseline)
     report = _compare(

@@ -118,7 +118,8 @@ def _data(
                 settings.jobs.traffic_window_h,
                 settings.jobs.traffic_min_prompts,
             )
-    name, per_source = settings.engine.calibration_corpus, settings.engine.calibration_per_source
+    name = settings.engine.calibration_corpus
+    per_source = settings.engine.per_source_for(name)
     texts, sources = corpora.load_sourced(name, settings.cache_home, per_source)
     return prepare_data(lm.tokenizer, texts, cfg, name, sources)
 
