@@ -10,6 +10,7 @@ import pytest
 import torch
 from tokenizers.processors import TemplateProcessing
 
+from services.cli.calibration import describe
 from sparse_engine.calibration.pipeline import (
     STEADY_HELDOUT_DOCUMENTS,
     CalibrationConfig,
@@ -128,6 +129,12 @@ def test_calibrate_stays_within_budgets_and_round_trips(
     for cal in results:
         assert cal.perplexity_change_pct <= cal.budget_pct
         assert len(cal.thresholds["down"]) == lm.num_layers
+        # the bound that met the budget is kept and shown (pooled: no parts)
+        bound = cal.data.get("bound_pct", 0.0)
+        if cal.realised_sparsity > 0:
+            assert cal.perplexity_change_pct <= bound <= cal.budget_pct
+            assert f"bound {bound:+.2f}%, budget" in describe(cal)
+        assert "part_bounds_pct" not in cal.data
         store.save(cal)
     conservative, aggressive = results
     assert aggressive.realised_sparsity >= conservative.realised_sparsity
@@ -252,6 +259,11 @@ def test_a_mixed_corpus_per_source_gets_equal_heldout_shares_and_the_worst_bound
         assert part.num_tokens == sum(n for n, k in zip(sparse.documents, keep, strict=True) if k)
         bounds.append(part.change_pct(dense.subset(keep), CFG.confidence_z))
     assert max(bounds) <= cal.budget_pct  # the worst part holds the budget
+    kept = cal.data["part_bounds_pct"]  # what decided the level, kept and shown
+    assert kept == pytest.approx(dict(zip(("one", "two"), bounds, strict=True)), abs=1e-3)
+    assert cal.data["bound_pct"] == pytest.approx(max(bounds), abs=1e-3)
+    worst = max(kept, key=kept.__getitem__)
+    assert f"bound {cal.data['bound_pct']:+.2f}% {worst}, budget" in describe(cal)
     # the search's bound is the worst part's, not the pooled one
     search = LevelSearch("fixed", lm, data, dense, lambda _: plan, CFG.confidence_z)
     assert search.upper_pct(0.5) == pytest.approx(max(bounds))

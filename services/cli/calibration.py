@@ -159,10 +159,16 @@ def parse_levels(values: list[str]) -> list[Level]:
 
 
 def describe(cal: Calibration) -> str:
+    """One line: the level, its sparsity and perplexity change, and the upper bound that met
+    the budget (with parts, the part it was taken on); calibrations stored before the bound
+    was kept show none."""
+    bound, parts = cal.data.get("bound_pct"), cal.data.get("part_bounds_pct") or {}
+    worst = f" {max(parts, key=parts.__getitem__)}" if parts else ""
+    met = f", bound {bound:+.2f}%{worst}" if bound is not None else ""
     return (
         f"{cal.version}  {cal.level:12} sparsity {cal.realised_sparsity:.3f}  "
         f"ppl {cal.perplexity_dense:.2f} -> {cal.perplexity_sparse:.2f} "
-        f"({cal.perplexity_change_pct:+.2f}%, budget {cal.budget_pct}%)  "
+        f"({cal.perplexity_change_pct:+.2f}%{met}, budget {cal.budget_pct}%)  "
         f"data {cal.data.get('corpus')}"
     )
 

@@ -157,6 +157,17 @@ class LevelSearch:
             return max(by_source.values())
         return self.results[target].change_pct(self.dense, self.confidence_z)
 
+    def bound_record(self, target: float) -> dict[str, Any]:
+        """What decided a level chosen at `target`: the bound it met (`upper_pct`) and, with
+        parts, each part's bound (the largest is the one met). Nothing for no sparsity."""
+        if target <= 0.0:
+            return {}
+        parts = self._source_bounds(target)
+        return {
+            "bound_pct": round(self.upper_pct(target), 3),
+            **({"part_bounds_pct": {n: round(b, 3) for n, b in parts.items()}} if parts else {}),
+        }
+
     def _source_bounds(self, target: float) -> dict[str, float]:
         result, bounds = self.results[target], {}
         for index, name in enumerate(self.data.source_names):
@@ -239,7 +250,7 @@ def calibrate(
             perplexity_dense=dense.perplexity,
             perplexity_sparse=result.perplexity,
             budget_pct=budget,
-            data=_data_record(data, stats, cfg),
+            data=_data_record(data, stats, cfg) | search.bound_record(target),
             duration_s=round(time.monotonic() - started, 1),
         )
         calibrations.append(cal)
