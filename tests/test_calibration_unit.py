@@ -138,6 +138,7 @@ def test_calibrate_stays_within_budgets_and_round_trips(
         store.save(cal)
     conservative, aggressive = results
     assert aggressive.realised_sparsity >= conservative.realised_sparsity
+    assert aggressive.realised_sparsity > 0 and "bound_pct" in aggressive.data  # checked above
     loaded = store.load(conservative.version)
     assert loaded == conservative
     # oldest first: by creation time (a second apart when the clock ticks between them), then name
