@@ -65,23 +65,25 @@ _CODE_SYMBOLS = frozenset("{}()[];=<>_#\\*|&")
 
 def prompt_category(text: str) -> str:
     """`data` for machine data, mostly ASCII: at least 40 visible characters, half of them
-    digits (a window of a number table), or records, a quarter of the characters digits and at
-    least 4 lines, half of all, holding the same number of commas (a CSV window); `code` for
-    text laid out as code: mostly ASCII, at least 4 non-blank lines, and either 3 % of its
-    visible characters code symbols or a fifth of its lines indented; else `text`. On the
-    packaged traffic: 85-89 % of code prompts (the rest are READMEs and articles, and a few
-    tables in code), 2-3 % of chat and summary prompts, no QA, prose or garbage prompt, 1 of
-    80 multilingual ones are `code` (README, "Healthy baselines")."""
+    digits (a window of a number table), or records, a quarter of the characters digits, under
+    3 % code symbols and at least 4 lines, half of all, holding the same number of commas (a
+    CSV window); `code` for text laid out as code: mostly ASCII, at least 4 non-blank lines,
+    and either 3 % of its visible characters code symbols or a fifth of its lines indented;
+    else `text`. On the packaged traffic: 85-89 % of code prompts (the rest are READMEs and
+    articles, and a few tables in code), 2-3 % of chat and summary prompts, no QA, prose or
+    garbage prompt, 1 of 80 multilingual ones are `code` (README, "Healthy baselines")."""
     visible = [c for c in text if not c.isspace()]
     lines = [line for line in text.split("\n") if line.strip()]
     if not visible or sum(c.isascii() for c in visible) < 0.9 * len(visible):
         return TEXT
     digits = sum(c.isdigit() for c in visible) / len(visible)
-    if (len(visible) >= 40 and digits >= 0.5) or (digits >= 0.25 and _records(lines)):
+    symbols = sum(c in _CODE_SYMBOLS for c in visible) / len(visible)
+    if len(visible) >= 40 and digits >= 0.5:
+        return DATA
+    if digits >= 0.25 and symbols < 0.03 and _records(lines):
         return DATA
     if len(lines) < 4:
         return TEXT
-    symbols = sum(c in _CODE_SYMBOLS for c in visible) / len(visible)
     indented = sum(line.startswith(("  ", "\t")) for line in lines) / len(lines)
     return CODE if symbols >= 0.03 or indented >= 0.2 else TEXT
 
