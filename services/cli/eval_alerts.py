@@ -32,8 +32,8 @@ from sparse_engine.model.loader import LoadedModel
 from sparse_engine.sparsity.plan import Level
 
 log = logging.getLogger(__name__)
-POOL_FORMAT = 3  # 2: each kind behind the shared system prompt every other time; 3: reasons
-# judged against the kinds of the request's category
+POOL_FORMAT = 4  # 2: each kind behind the shared system prompt every other time; 3: reasons
+# judged against the kinds of the request's category; 4: the data kind in the healthy mix
 
 
 def register(commands: Any) -> None:

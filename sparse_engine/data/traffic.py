@@ -22,7 +22,6 @@ from sparse_engine.data.splits import shuffled
 
 Split = Literal["baseline", "evaluation"]
 HEALTHY_KINDS = ("chat", "qa", "code", "prose", "summary", "data")
-DEFAULT_BASELINE_KINDS = ("chat", "qa", "code", "prose", "data")
 MAX_PROMPT_CHARS = 700
 MIN_PROMPT_CHARS = 20
 # A system prompt many requests share, as chat products send: the prefix cache's workload.
